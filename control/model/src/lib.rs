@@ -1,0 +1,275 @@
+//! The snapshot: everything a Postern node needs to serve traffic, compiled by the
+//! control plane from the config repository, numbered, content-hashed and immutable.
+//!
+//! On disk a snapshot is a JSON envelope ([`SnapshotFile`]) whose `content` is kept as
+//! the exact bytes that were hashed, so a node checks the hash over what it read and a
+//! corrupted or truncated file is never loaded.
+#![deny(missing_docs)]
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+/// Version of the snapshot format; a node refuses a snapshot with another one.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Platform maximum for any route timeout, in milliseconds.
+pub const MAX_TIMEOUT_MS: u64 = 30_000;
+
+/// Default per-route request body limit (64 KiB, as for most JSON routes).
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 64 * 1024;
+
+/// The on-disk envelope.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotFile {
+    /// Snapshot number; each accepted snapshot gets a higher one, never reused.
+    pub version: u64,
+    /// `sha256:<hex>` of the exact bytes of `content`.
+    pub hash: String,
+    /// The [`Snapshot`], as the bytes that were hashed.
+    pub content: Box<RawValue>,
+}
+
+/// Why a snapshot file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The envelope or content is not valid JSON of the expected shape.
+    #[error("malformed snapshot: {0}")]
+    Malformed(#[from] serde_json::Error),
+    /// The content does not hash to the recorded value.
+    #[error("snapshot hash mismatch: file says {expected}, content hashes to {actual}")]
+    HashMismatch {
+        /// Hash recorded in the envelope.
+        expected: String,
+        /// Hash of the content as read.
+        actual: String,
+    },
+    /// Written by an incompatible control plane.
+    #[error("snapshot schema {0} is not supported (this node reads schema {SCHEMA_VERSION})")]
+    Schema(u32),
+}
+
+/// `sha256:<hex>` of `bytes`.
+pub fn content_hash(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+impl SnapshotFile {
+    /// Wraps `snapshot` into an envelope numbered `version`.
+    pub fn seal(version: u64, snapshot: &Snapshot) -> Result<SnapshotFile, serde_json::Error> {
+        let content = serde_json::value::to_raw_value(snapshot)?;
+        Ok(SnapshotFile { version, hash: content_hash(content.get().as_bytes()), content })
+    }
+
+    /// Parses an envelope, checks its hash and schema, and returns it with its content.
+    pub fn open(bytes: &[u8]) -> Result<(SnapshotFile, Snapshot), SnapshotError> {
+        let file: SnapshotFile = serde_json::from_slice(bytes)?;
+        let actual = content_hash(file.content.get().as_bytes());
+        if actual != file.hash {
+            return Err(SnapshotError::HashMismatch { expected: file.hash, actual });
+        }
+        let snapshot: Snapshot = serde_json::from_str(file.content.get())?;
+        if snapshot.schema != SCHEMA_VERSION {
+            return Err(SnapshotError::Schema(snapshot.schema));
+        }
+        Ok((file, snapshot))
+    }
+}
+
+/// Everything a node serves from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Snapshot {
+    /// Format version, [`SCHEMA_VERSION`].
+    pub schema: u32,
+    /// Upstream clusters by name.
+    pub clusters: BTreeMap<String, Cluster>,
+    /// Routes, in a stable order (team, then file, then position).
+    pub routes: Vec<Route>,
+}
+
+/// A set of interchangeable backend endpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// `host:port` endpoints, used round robin.
+    pub endpoints: Vec<String>,
+    /// Team that owns the cluster (platform-owned if `None`).
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+/// Listener pool: each pool has its own listener, so one pool's spike never reaches the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    /// Public APIs (apps, mobile).
+    Public,
+    /// Partner APIs (partner servers with API keys).
+    Partner,
+}
+
+impl Pool {
+    /// Every pool, in a fixed order.
+    pub const ALL: [Pool; 2] = [Pool::Public, Pool::Partner];
+
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pool::Public => "public",
+            Pool::Partner => "partner",
+        }
+    }
+}
+
+/// How a path pattern matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PathMatchKind {
+    /// The whole path.
+    Exact,
+    /// Whole leading segments.
+    Prefix,
+}
+
+/// One compiled route.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// Stable id, `team/name`.
+    pub id: String,
+    /// Owning team.
+    pub team: String,
+    /// Listener pool.
+    pub pool: Pool,
+    /// Lowercase hostnames, `*.suffix` wildcards; empty means any host.
+    pub hosts: Vec<String>,
+    /// Methods; empty means any.
+    pub methods: Vec<String>,
+    /// Path pattern, e.g. `/v1/orders/{id}`.
+    pub path: String,
+    /// Exact or prefix.
+    pub path_kind: PathMatchKind,
+    /// Optional version header condition.
+    pub version: Option<VersionMatch>,
+    /// Weighted backends; a caller's share is chosen by a stable hash (see `split_header`).
+    pub backends: Vec<WeightedBackend>,
+    /// Request header whose value keys the weighted split (e.g. the API key); without it
+    /// the split is per request.
+    pub split_header: Option<String>,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Request body limit in bytes, enforced by counting.
+    pub max_body_bytes: u64,
+    /// Path rewrite before forwarding.
+    pub rewrite: Option<PathRewrite>,
+    /// Filters run in order, built once per snapshot.
+    pub filters: Vec<FilterSpec>,
+    /// Deprecation and sunset headers added to responses.
+    pub deprecation: Option<Deprecation>,
+    /// Marked public: served without credentials.
+    pub public: bool,
+}
+
+/// A request header a route requires.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionMatch {
+    /// Header name (lowercase).
+    pub header: String,
+    /// Required value.
+    pub value: String,
+}
+
+/// A backend cluster with a weight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightedBackend {
+    /// Cluster name.
+    pub cluster: String,
+    /// Relative weight; weights of a route sum to 100.
+    pub weight: u32,
+}
+
+/// Route timeouts (milliseconds), each at most [`MAX_TIMEOUT_MS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timeouts {
+    /// TCP connect to the backend.
+    pub connect_ms: u64,
+    /// From sending the request to the backend's response headers; also the deadline
+    /// sent to the backend.
+    pub response_ms: u64,
+}
+
+/// How the path is rewritten before forwarding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum PathRewrite {
+    /// Replace the matched prefix (the route's literal leading segments) with this.
+    ReplacePrefix(String),
+    /// Replace the whole path with this.
+    ReplaceFull(String),
+}
+
+/// A filter attached to a route.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSpec {
+    /// Filter kind, e.g. `request-headers`.
+    pub kind: String,
+    /// Its configuration, validated when the snapshot is built.
+    pub config: serde_json::Value,
+}
+
+/// Deprecation metadata (RFC 9745 `Deprecation`, RFC 8594 `Sunset`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Deprecation {
+    /// When the route was deprecated, Unix seconds.
+    pub since: Option<i64>,
+    /// When it stops working, Unix seconds.
+    pub sunset: Option<i64>,
+    /// Documentation link sent as `Link: <..>; rel="deprecation"`.
+    pub link: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Snapshot {
+        Snapshot { schema: SCHEMA_VERSION, clusters: BTreeMap::new(), routes: Vec::new() }
+    }
+
+    #[test]
+    fn seal_and_open_round_trip() {
+        let file = SnapshotFile::seal(7, &sample()).unwrap();
+        let bytes = serde_json::to_vec(&file).unwrap();
+        let (back, snap) = SnapshotFile::open(&bytes).unwrap();
+        assert_eq!(back.version, 7);
+        assert_eq!(back.hash, file.hash);
+        assert_eq!(snap, sample());
+    }
+
+    #[test]
+    fn tampered_or_truncated_content_is_refused() {
+        let file = SnapshotFile::seal(1, &sample()).unwrap();
+        let text = serde_json::to_string(&file).unwrap();
+        let tampered = text.replace("\"routes\":[]", "\"routes\": []");
+        assert!(matches!(SnapshotFile::open(tampered.as_bytes()), Err(SnapshotError::HashMismatch { .. })));
+        let truncated = &text.as_bytes()[..text.len() / 2];
+        assert!(matches!(SnapshotFile::open(truncated), Err(SnapshotError::Malformed(_))));
+    }
+
+    #[test]
+    fn other_schema_is_refused() {
+        let mut s = sample();
+        s.schema = 99;
+        let file = SnapshotFile::seal(1, &s).unwrap();
+        let bytes = serde_json::to_vec(&file).unwrap();
+        assert!(matches!(SnapshotFile::open(&bytes), Err(SnapshotError::Schema(99))));
+    }
+}

@@ -1,0 +1,497 @@
+//! Compiles a config repository into one [`Snapshot`], collecting every error with the
+//! file, field and owning team it concerns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, UNIX_EPOCH};
+
+use postern_model::{
+    Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite, Pool, Route,
+    SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
+};
+use postern_router::{PathKind, RouteError, RouteSpec, RouterBuilder};
+use serde::de::DeserializeOwned;
+
+use crate::config::{ClustersDoc, OwnershipDoc, PathType, RouteDoc, RoutesDoc};
+
+/// Largest request body limit a route may declare (1 GiB).
+pub const MAX_BODY_LIMIT: u64 = 1 << 30;
+
+/// One problem found in the repository.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// File, relative to the repository root.
+    pub file: PathBuf,
+    /// Field path inside the file, e.g. `routes[2].timeouts.response`.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+    /// Team that owns the file or route, if any.
+    pub owner: Option<String>,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if !self.field.is_empty() {
+            write!(f, ": {}", self.field)?;
+        }
+        write!(f, ": {}", self.message)?;
+        if let Some(o) = &self.owner {
+            write!(f, " (owner: {o})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every problem that stopped a compile.
+#[derive(Debug)]
+pub struct Rejected(pub Vec<Diagnostic>);
+
+impl fmt::Display for Rejected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{} error(s) in the config repository:", self.0.len())?;
+        for d in &self.0 {
+            writeln!(f, "  {d}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Rejected {}
+
+struct Ctx {
+    root: PathBuf,
+    diags: Vec<Diagnostic>,
+}
+
+impl Ctx {
+    fn error(&mut self, file: &Path, field: impl Into<String>, message: impl Into<String>, owner: Option<&str>) {
+        let file = file.strip_prefix(&self.root).unwrap_or(file).to_path_buf();
+        self.diags.push(Diagnostic {
+            file,
+            field: field.into(),
+            message: message.into(),
+            owner: owner.map(str::to_owned),
+        });
+    }
+
+    fn load<T: DeserializeOwned>(&mut self, path: &Path, owner: Option<&str>) -> Option<T> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error(path, "", format!("cannot read: {e}"), owner);
+                return None;
+            }
+        };
+        let de = serde_yaml_ng::Deserializer::from_str(&text);
+        match serde_path_to_error::deserialize::<_, T>(de) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                let field = e.path().to_string();
+                let field = if field == "." { String::new() } else { field };
+                self.error(path, field, e.into_inner().to_string(), owner);
+                None
+            }
+        }
+    }
+}
+
+fn parse_ms(s: &str) -> Result<u64, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms or 2s: {e}"))?;
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    if ms == 0 {
+        return Err("must be more than 0".into());
+    }
+    if ms > MAX_TIMEOUT_MS {
+        return Err(format!("{s} is over the platform maximum of 30s"));
+    }
+    Ok(ms)
+}
+
+fn parse_date(s: &str) -> Result<i64, String> {
+    let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is not an RFC 3339 date: {e}"))?;
+    let secs = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+    i64::try_from(secs).map_err(|_| format!("{s:?} is out of range"))
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+}
+
+/// Splits a path pattern into its segments (without validating them).
+fn segments(p: &str) -> Vec<&str> {
+    p.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect()
+}
+
+struct Owner {
+    host: String,
+    prefix: Vec<String>,
+    team: String,
+}
+
+/// Which team owns `host` + `path`: the longest matching prefix among claims for this
+/// exact host, else among claims for every host (`*`).
+fn owner_of<'o>(owners: &'o [Owner], host: &str, path: &str) -> Option<&'o Owner> {
+    let segs = segments(path);
+    let best = |h: &str| {
+        owners
+            .iter()
+            .filter(|o| o.host == h && o.prefix.len() <= segs.len() && o.prefix.iter().zip(&segs).all(|(a, b)| a == b))
+            .max_by_key(|o| o.prefix.len())
+    };
+    best(host).or_else(|| best("*"))
+}
+
+/// Compiles the repository at `root`.
+pub fn compile(root: &Path) -> Result<Snapshot, Rejected> {
+    let mut cx = Ctx { root: root.to_path_buf(), diags: Vec::new() };
+
+    let clusters_path = root.join("platform/clusters.yaml");
+    let clusters: ClustersDoc = cx.load(&clusters_path, None).unwrap_or(ClustersDoc { clusters: BTreeMap::new() });
+    let mut out_clusters = BTreeMap::new();
+    for (name, c) in clusters.clusters {
+        let field = format!("clusters.{name}");
+        if !valid_name(&name) {
+            cx.error(&clusters_path, &field, "cluster names are lowercase letters, digits and '-'", None);
+        }
+        if c.endpoints.is_empty() {
+            cx.error(&clusters_path, format!("{field}.endpoints"), "a cluster needs at least one endpoint", None);
+        }
+        for (i, e) in c.endpoints.iter().enumerate() {
+            if e.parse::<std::net::SocketAddr>().is_err() && !valid_host_port(e) {
+                cx.error(&clusters_path, format!("{field}.endpoints[{i}]"), format!("{e:?} is not host:port"), None);
+            }
+        }
+        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner });
+    }
+
+    let ownership_path = root.join("platform/ownership.yaml");
+    let ownership: OwnershipDoc = cx.load(&ownership_path, None).unwrap_or(OwnershipDoc { owners: Vec::new() });
+    let mut owners = Vec::new();
+    for (i, o) in ownership.owners.into_iter().enumerate() {
+        if !o.path_prefix.starts_with('/') {
+            cx.error(&ownership_path, format!("owners[{i}].pathPrefix"), "must start with '/'", Some(&o.team));
+        }
+        let prefix: Vec<String> = segments(&o.path_prefix).into_iter().map(str::to_owned).collect();
+        if let Some(dup) = owners.iter().find(|x: &&Owner| x.host == o.host && x.prefix == prefix) {
+            cx.error(
+                &ownership_path,
+                format!("owners[{i}]"),
+                format!("{} {} is already claimed by team {}", o.host, o.path_prefix, dup.team),
+                Some(&o.team),
+            );
+        }
+        owners.push(Owner { host: o.host, prefix, team: o.team });
+    }
+
+    // Team files, in a stable order.
+    let mut files: Vec<(String, PathBuf)> = Vec::new();
+    let teams_dir = root.join("teams");
+    match std::fs::read_dir(&teams_dir) {
+        Err(e) => cx.error(&teams_dir, "", format!("cannot read the teams directory: {e}"), None),
+        Ok(entries) => {
+            let mut teams: Vec<PathBuf> =
+                entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+            teams.sort();
+            for dir in teams {
+                let team = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                if !valid_name(&team) {
+                    cx.error(&dir, "", "team directory names are lowercase letters, digits and '-'", Some(&team));
+                    continue;
+                }
+                let mut yaml: Vec<PathBuf> = std::fs::read_dir(&dir)
+                    .map(|rd| {
+                        rd.filter_map(|e| e.ok())
+                            .map(|e| e.path())
+                            .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                yaml.sort();
+                files.extend(yaml.into_iter().map(|p| (team.clone(), p)));
+            }
+        }
+    }
+
+    let mut routes: Vec<Route> = Vec::new();
+    let mut origin: Vec<(PathBuf, String)> = Vec::new(); // file and field of each route
+    let mut builders: HashMap<Pool, RouterBuilder<usize>> = HashMap::new();
+    let mut names: HashMap<String, (PathBuf, String)> = HashMap::new();
+
+    for (team, file) in files {
+        let Some(doc) = cx.load::<RoutesDoc>(&file, Some(&team)) else { continue };
+        for (i, r) in doc.routes.into_iter().enumerate() {
+            let field = format!("routes[{i}]");
+            if let Some(route) = compile_route(&mut cx, &file, &field, &team, r, &out_clusters, &owners) {
+                if let Some((f, fld)) = names.get(&route.id) {
+                    let msg = format!("route {} is already defined at {}: {fld}", route.id, f.display());
+                    cx.error(&file, format!("{field}.name"), msg, Some(&team));
+                    continue;
+                }
+                let spec = RouteSpec {
+                    hosts: &route.hosts,
+                    methods: &route.methods,
+                    path: &route.path,
+                    kind: match route.path_kind {
+                        PathMatchKind::Exact => PathKind::Exact,
+                        PathMatchKind::Prefix => PathKind::Prefix,
+                    },
+                    version: route.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str())),
+                };
+                match builders.entry(route.pool).or_default().add(&spec, routes.len()) {
+                    Ok(_) => {}
+                    Err(RouteError::Conflict { existing }) => {
+                        let j = builders.get(&route.pool).and_then(|b| b.get(existing)).copied().unwrap_or_default();
+                        let (of, ofield) = origin.get(j).cloned().unwrap_or_default();
+                        let who = routes.get(j).map(|r| r.id.as_str()).unwrap_or_default();
+                        let msg = format!(
+                            "equally specific as route {who} ({}: {ofield}) for the same host, path, method and version",
+                            of.strip_prefix(root).unwrap_or(&of).display()
+                        );
+                        cx.error(&file, format!("{field}.match"), msg, Some(&team));
+                        continue;
+                    }
+                    Err(e) => {
+                        cx.error(&file, format!("{field}.match"), e.to_string(), Some(&team));
+                        continue;
+                    }
+                }
+                names.insert(route.id.clone(), (file.strip_prefix(root).unwrap_or(&file).to_path_buf(), field.clone()));
+                origin.push((file.clone(), field));
+                routes.push(route);
+            }
+        }
+    }
+
+    if cx.diags.is_empty() {
+        Ok(Snapshot { schema: SCHEMA_VERSION, clusters: out_clusters, routes })
+    } else {
+        Err(Rejected(cx.diags))
+    }
+}
+
+fn valid_host_port(s: &str) -> bool {
+    match s.rsplit_once(':') {
+        Some((host, port)) => {
+            port.parse::<u16>().is_ok_and(|p| p != 0)
+                && !host.is_empty()
+                && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        }
+        None => false,
+    }
+}
+
+fn compile_route(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    team: &str,
+    r: RouteDoc,
+    clusters: &BTreeMap<String, Cluster>,
+    owners: &[Owner],
+) -> Option<Route> {
+    let before = cx.diags.len();
+    let owner = Some(team);
+    if !valid_name(&r.name) {
+        cx.error(file, format!("{field}.name"), "route names are lowercase letters, digits and '-'", owner);
+    }
+
+    let hosts: Vec<String> = r.hostnames.clone();
+    let methods: Vec<String> = r.matches.methods.clone();
+    let path = r.matches.path.value.clone();
+    let kind = match r.matches.path.kind {
+        PathType::Exact => PathKind::Exact,
+        PathType::PathPrefix => PathKind::Prefix,
+    };
+    let version = r
+        .matches
+        .version
+        .as_ref()
+        .map(|v| VersionMatch { header: v.header.to_ascii_lowercase(), value: v.value.clone() });
+    let spec = RouteSpec {
+        hosts: &hosts,
+        methods: &methods,
+        path: &path,
+        kind,
+        version: version.as_ref().map(|v| (v.header.as_str(), v.value.as_str())),
+    };
+    if let Err(e) = RouterBuilder::<()>::check(&spec) {
+        let sub = match e {
+            RouteError::Pattern { .. } => "match.path.value",
+            RouteError::Host { .. } => "hostnames",
+            RouteError::Method(_) => "match.methods",
+            _ => "match.version",
+        };
+        cx.error(file, format!("{field}.{sub}"), e.to_string(), owner);
+    }
+
+    // Ownership: every host (or "*" for a route on any host) and the path prefix.
+    let claim_hosts: Vec<&str> = if hosts.is_empty() { vec!["*"] } else { hosts.iter().map(String::as_str).collect() };
+    for h in claim_hosts {
+        match owner_of(owners, h, &path) {
+            Some(o) if o.team == team => {}
+            Some(o) => cx.error(
+                file,
+                format!("{field}.match.path.value"),
+                format!("host {h} path {path} belongs to team {}, not {team}", o.team),
+                owner,
+            ),
+            None => cx.error(
+                file,
+                format!("{field}.match.path.value"),
+                format!("host {h} path {path} is not registered to any team in platform/ownership.yaml"),
+                owner,
+            ),
+        }
+    }
+
+    // Backends.
+    if r.backend_refs.is_empty() {
+        cx.error(file, format!("{field}.backendRefs"), "a route needs at least one backend", owner);
+    }
+    let total: u64 = r.backend_refs.iter().map(|b| u64::from(b.weight)).sum();
+    if !r.backend_refs.is_empty() && total == 0 {
+        cx.error(file, format!("{field}.backendRefs"), "weights add up to 0", owner);
+    }
+    let mut backends = Vec::new();
+    for (i, b) in r.backend_refs.iter().enumerate() {
+        match clusters.get(&b.name) {
+            None => {
+                cx.error(file, format!("{field}.backendRefs[{i}].name"), format!("unknown cluster {:?}", b.name), owner)
+            }
+            Some(c) if c.owner.as_deref().is_some_and(|o| o != team) => cx.error(
+                file,
+                format!("{field}.backendRefs[{i}].name"),
+                format!("cluster {:?} belongs to team {}", b.name, c.owner.as_deref().unwrap_or_default()),
+                owner,
+            ),
+            Some(_) => {}
+        }
+        if b.weight > 10_000 {
+            cx.error(file, format!("{field}.backendRefs[{i}].weight"), "weights are at most 10000", owner);
+        }
+        backends.push(WeightedBackend { cluster: b.name.clone(), weight: b.weight });
+    }
+    let split_header = r.sticky_header.as_ref().map(|h| h.to_ascii_lowercase());
+    if let Some(h) = &split_header {
+        if postern_router_header_ok(h).is_err() {
+            cx.error(file, format!("{field}.stickyHeader"), format!("{h:?} is not a header name"), owner);
+        }
+    }
+
+    // Timeouts.
+    let ms = |sub: &str, v: &str, cx: &mut Ctx| match parse_ms(v) {
+        Ok(ms) => ms,
+        Err(e) => {
+            cx.error(file, format!("{field}.timeouts.{sub}"), e, owner);
+            0
+        }
+    };
+    let timeouts = Timeouts {
+        connect_ms: ms("connect", &r.timeouts.connect, cx),
+        response_ms: ms("response", &r.timeouts.response, cx),
+    };
+
+    let max_body_bytes = r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    if max_body_bytes > MAX_BODY_LIMIT {
+        cx.error(file, format!("{field}.maxBodyBytes"), "over the platform maximum of 1 GiB", owner);
+    }
+
+    let rewrite = match &r.rewrite {
+        None => None,
+        Some(rw) => match (&rw.replace_prefix_match, &rw.replace_full_path) {
+            (Some(p), None) => Some(PathRewrite::ReplacePrefix(p.clone())),
+            (None, Some(p)) => Some(PathRewrite::ReplaceFull(p.clone())),
+            _ => {
+                cx.error(
+                    file,
+                    format!("{field}.rewrite"),
+                    "give exactly one of replacePrefixMatch, replaceFullPath",
+                    owner,
+                );
+                None
+            }
+        },
+    };
+    if let Some(PathRewrite::ReplacePrefix(p) | PathRewrite::ReplaceFull(p)) = &rewrite {
+        if !p.starts_with('/') || p.contains(['?', '#', ' ']) || p.split('/').any(|s| s == ".." || s == ".") {
+            cx.error(
+                file,
+                format!("{field}.rewrite"),
+                format!("{p:?} must be an absolute path without '?', '#' or dot segments"),
+                owner,
+            );
+        }
+    }
+
+    let mut filters = Vec::new();
+    for (kind, sub, cfg) in [
+        ("request-headers", "requestHeaders", &r.request_headers),
+        ("response-headers", "responseHeaders", &r.response_headers),
+    ] {
+        if let Some(cfg) = cfg {
+            if let Err(e) = postern_builtin_filters::build(kind, cfg) {
+                cx.error(file, format!("{field}.{sub}"), e.to_string(), owner);
+            }
+            filters.push(FilterSpec { kind: kind.to_owned(), config: cfg.clone() });
+        }
+    }
+
+    let deprecation = r.deprecation.as_ref().map(|d| {
+        let date = |sub: &str, v: &Option<String>, cx: &mut Ctx| {
+            v.as_ref().and_then(|s| match parse_date(s) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    cx.error(file, format!("{field}.deprecation.{sub}"), e, owner);
+                    None
+                }
+            })
+        };
+        let since = date("since", &d.since, cx);
+        let sunset = date("sunset", &d.sunset, cx);
+        if let Some(l) = &d.link {
+            if !(l.starts_with("https://") || l.starts_with("http://")) || l.contains(['<', '>', '"', ' ']) {
+                cx.error(file, format!("{field}.deprecation.link"), "must be an http(s) URL", owner);
+            }
+        }
+        Deprecation { since, sunset, link: d.link.clone() }
+    });
+
+    if cx.diags.len() != before {
+        return None;
+    }
+    Some(Route {
+        id: format!("{team}/{}", r.name),
+        team: team.to_owned(),
+        pool: r.pool,
+        hosts,
+        methods,
+        path,
+        path_kind: match kind {
+            PathKind::Exact => PathMatchKind::Exact,
+            PathKind::Prefix => PathMatchKind::Prefix,
+        },
+        version,
+        backends,
+        split_header,
+        timeouts,
+        max_body_bytes,
+        rewrite,
+        filters,
+        deprecation,
+        public: r.public,
+    })
+}
+
+fn postern_router_header_ok(h: &str) -> Result<(), ()> {
+    if !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_') {
+        Ok(())
+    } else {
+        Err(())
+    }
+}

@@ -1,0 +1,206 @@
+//! The config repository's file formats (YAML), close to the Kubernetes Gateway API's
+//! `HTTPRoute` where it fits.
+//!
+//! ```text
+//! platform/clusters.yaml    clusters: {name: {endpoints: [host:port], owner: team}}
+//! platform/ownership.yaml   owners: [{host: api.example.com | "*", pathPrefix: /v1/orders, team: orders}]
+//! teams/<team>/*.yaml       routes: [RouteDoc]
+//! ```
+
+use std::collections::BTreeMap;
+
+use postern_model::Pool;
+use serde::Deserialize;
+
+/// `platform/clusters.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClustersDoc {
+    /// Clusters by name.
+    pub clusters: BTreeMap<String, ClusterDoc>,
+}
+
+/// One cluster.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterDoc {
+    /// `host:port` endpoints.
+    pub endpoints: Vec<String>,
+    /// Owning team; a route may use a cluster its team owns or one with no owner.
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+/// `platform/ownership.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OwnershipDoc {
+    /// Who owns which host and path prefix.
+    pub owners: Vec<OwnerDoc>,
+}
+
+/// One ownership claim.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OwnerDoc {
+    /// Hostname, `*.suffix`, or `*` for every host.
+    pub host: String,
+    /// Path prefix (whole segments).
+    pub path_prefix: String,
+    /// Owning team.
+    pub team: String,
+}
+
+/// A team's routes file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutesDoc {
+    /// The routes.
+    pub routes: Vec<RouteDoc>,
+}
+
+/// One route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RouteDoc {
+    /// Name, unique within the team.
+    pub name: String,
+    /// Listener pool (`public` by default).
+    #[serde(default = "default_pool")]
+    pub pool: Pool,
+    /// Hostnames; empty means any host.
+    #[serde(default)]
+    pub hostnames: Vec<String>,
+    /// What the route matches.
+    #[serde(rename = "match")]
+    pub matches: MatchDoc,
+    /// Backends with weights.
+    pub backend_refs: Vec<BackendRefDoc>,
+    /// Header whose value keys a weighted split, so one caller always sees one backend.
+    #[serde(default)]
+    pub sticky_header: Option<String>,
+    /// Timeouts; required (no route may wait forever).
+    pub timeouts: TimeoutsDoc,
+    /// Request body limit in bytes (64 KiB by default).
+    #[serde(default)]
+    pub max_body_bytes: Option<u64>,
+    /// Path rewrite.
+    #[serde(default)]
+    pub rewrite: Option<RewriteDoc>,
+    /// Request header edits.
+    #[serde(default)]
+    pub request_headers: Option<serde_json::Value>,
+    /// Response header edits.
+    #[serde(default)]
+    pub response_headers: Option<serde_json::Value>,
+    /// Deprecation / sunset.
+    #[serde(default)]
+    pub deprecation: Option<DeprecationDoc>,
+    /// Served without credentials.
+    #[serde(default)]
+    pub public: bool,
+}
+
+fn default_pool() -> Pool {
+    Pool::Public
+}
+
+/// Route match conditions.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchDoc {
+    /// Path pattern.
+    pub path: PathDoc,
+    /// Methods; empty means any.
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// Version header condition.
+    #[serde(default)]
+    pub version: Option<VersionDoc>,
+}
+
+/// Path match.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathDoc {
+    /// `Exact` or `PathPrefix`.
+    #[serde(rename = "type", default = "default_path_type")]
+    pub kind: PathType,
+    /// The pattern.
+    pub value: String,
+}
+
+fn default_path_type() -> PathType {
+    PathType::PathPrefix
+}
+
+/// Gateway API path match types.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub enum PathType {
+    /// Whole path.
+    Exact,
+    /// Leading segments.
+    PathPrefix,
+}
+
+/// Version header condition.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionDoc {
+    /// Header name.
+    pub header: String,
+    /// Required value.
+    pub value: String,
+}
+
+/// A backend reference.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendRefDoc {
+    /// Cluster name.
+    pub name: String,
+    /// Weight (1 by default).
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+/// Timeouts as durations (`250ms`, `2s`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimeoutsDoc {
+    /// TCP connect.
+    pub connect: String,
+    /// Until the backend's response headers.
+    pub response: String,
+}
+
+/// Path rewrite (one of the two).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RewriteDoc {
+    /// Replace the matched prefix.
+    #[serde(default)]
+    pub replace_prefix_match: Option<String>,
+    /// Replace the whole path.
+    #[serde(default)]
+    pub replace_full_path: Option<String>,
+}
+
+/// Deprecation metadata; dates are RFC 3339.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeprecationDoc {
+    /// Deprecated since.
+    #[serde(default)]
+    pub since: Option<String>,
+    /// Stops working at.
+    #[serde(default)]
+    pub sunset: Option<String>,
+    /// Documentation link.
+    #[serde(default)]
+    pub link: Option<String>,
+}

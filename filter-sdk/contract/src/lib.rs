@@ -1,0 +1,145 @@
+//! The filter contract: what a Postern filter is, independent of the proxy that runs it.
+//!
+//! A filter is built once per snapshot from its declarative config by a
+//! [`FilterFactory`] (bad config is refused then, never per request), and then runs per
+//! request in the phases it implements:
+//!
+//! * [`Filter::on_request`] sees the request head and may mutate it, answer the request
+//!   itself ([`Flow::Respond`]), or — for filters that need to await, like a Wasm sandbox
+//!   that yields on its deadline — return a future ([`Flow::Wait`]). Native filters answer
+//!   synchronously and allocate nothing.
+//! * [`Filter::on_response`] sees the response head before it streams to the client.
+//!
+//! This crate is a leaf: built-in filters and the Wasm adapter depend on it, the proxy
+//! composes them, and neither side depends on the other.
+#![deny(missing_docs)]
+
+use std::borrow::Cow;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+pub use http;
+use http::{HeaderMap, HeaderValue, StatusCode};
+
+/// The request head a filter sees and may change (method, URI, headers).
+pub type RequestHead = http::request::Parts;
+/// The response head a filter sees and may change (status, headers).
+pub type ResponseHead = http::response::Parts;
+
+/// Per-request facts shared by the filters of one route.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// The route's id, `team/name`.
+    pub route_id: Arc<str>,
+    /// The request id returned to the client as `x-request-id`.
+    pub request_id: HeaderValue,
+}
+
+/// A response the gateway makes itself in the `application/problem+json` format
+/// (RFC 9457) with a stable machine-readable `code`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable code, e.g. `route_not_found`.
+    pub code: &'static str,
+    /// Human-readable explanation for this occurrence.
+    pub detail: Cow<'static, str>,
+    /// Extra response headers (`Allow`, `Retry-After`, `WWW-Authenticate`, ...).
+    pub headers: HeaderMap,
+}
+
+impl Problem {
+    /// A problem with no extra headers.
+    pub fn new(status: StatusCode, code: &'static str, detail: impl Into<Cow<'static, str>>) -> Problem {
+        Problem { status, code, detail: detail.into(), headers: HeaderMap::new() }
+    }
+
+    /// Adds a response header.
+    pub fn with_header(mut self, name: http::HeaderName, value: HeaderValue) -> Problem {
+        self.headers.append(name, value);
+        self
+    }
+}
+
+/// How a filter answers a request instead of forwarding it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// A gateway error in the common problem format.
+    Problem(Problem),
+    /// A response of the filter's own making.
+    Custom {
+        /// HTTP status.
+        status: StatusCode,
+        /// Response headers.
+        headers: HeaderMap,
+        /// A small body.
+        body: Bytes,
+    },
+}
+
+impl From<Problem> for Reply {
+    fn from(p: Problem) -> Reply {
+        Reply::Problem(p)
+    }
+}
+
+/// A boxed future returned by filters that must await.
+pub type FilterFuture<'a> = Pin<Box<dyn Future<Output = Result<(), Reply>> + Send + 'a>>;
+
+/// What a filter decided about a request.
+pub enum Flow<'a> {
+    /// Go on to the next filter, with any changes made to the head.
+    Continue,
+    /// Stop and answer with this.
+    Respond(Reply),
+    /// Await this future, then go on (`Ok`) or answer (`Err`).
+    Wait(FilterFuture<'a>),
+}
+
+impl std::fmt::Debug for Flow<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Flow::Continue => f.write_str("Continue"),
+            Flow::Respond(r) => f.debug_tuple("Respond").field(r).finish(),
+            Flow::Wait(_) => f.write_str("Wait(..)"),
+        }
+    }
+}
+
+/// A filter instance, built once per snapshot and shared by every request on its route.
+pub trait Filter: Send + Sync + 'static {
+    /// Request phase: runs before the request is forwarded.
+    fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
+        let _ = (req, cx);
+        Flow::Continue
+    }
+
+    /// Response phase: runs on the response head before it streams to the client.
+    fn on_response(&self, resp: &mut ResponseHead, cx: &Context) {
+        let _ = (resp, cx);
+    }
+}
+
+/// Refused filter configuration; the message names the offending field.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl ConfigError {
+    /// A config error with this message.
+    pub fn new(msg: impl Into<String>) -> ConfigError {
+        ConfigError(msg.into())
+    }
+}
+
+/// Builds filters of one kind from their declarative config.
+pub trait FilterFactory: Send + Sync {
+    /// The kind name used in route config, e.g. `request-headers`.
+    fn kind(&self) -> &'static str;
+
+    /// Validates `config` and builds the filter.
+    fn build(&self, config: &serde_json::Value) -> Result<Arc<dyn Filter>, ConfigError>;
+}

@@ -1,0 +1,50 @@
+//! The admin listener (127.0.0.1:9901 by default): `/healthz`, `/readyz`, `/metrics`
+//! (Prometheus text) and `/snapshot` (running version and hash).
+
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use crate::body::ResponseBody;
+use crate::proxy::Gateway;
+
+fn text(status: StatusCode, content_type: &'static str, body: impl Into<bytes::Bytes>) -> Response<ResponseBody> {
+    let mut r = Response::new(ResponseBody::full(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+/// Serves one admin request.
+pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ResponseBody> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+    }
+    match req.uri().path() {
+        "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
+        "/readyz" => {
+            let live = gw.live.load();
+            let body = serde_json::json!({
+                "ready": true,
+                "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
+            });
+            text(StatusCode::OK, "application/json", body.to_string())
+        }
+        "/metrics" => text(StatusCode::OK, "text/plain; version=0.0.4", gw.metrics.render()),
+        "/snapshot" => {
+            let live = gw.live.load();
+            let loaded = live.loaded_at.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+            let body = serde_json::json!({
+                "version": live.version,
+                "hash": live.hash,
+                "routes": live.route_count,
+                "loaded_at": loaded,
+            });
+            text(StatusCode::OK, "application/json", body.to_string())
+        }
+        _ => text(StatusCode::NOT_FOUND, "text/plain", "try /healthz, /readyz, /metrics or /snapshot\n"),
+    }
+}

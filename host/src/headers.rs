@@ -1,0 +1,162 @@
+//! Header hygiene on the way in and out: hop-by-hop headers (and every name listed in
+//! `Connection`) and client-sent identity headers (`x-auth-*`) are deleted; request ids
+//! and W3C trace context are made here.
+
+use http::header::{CONNECTION, HeaderName};
+use http::{HeaderMap, HeaderValue};
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1 and the legacy ones proxies still see).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::header::PROXY_AUTHORIZATION,
+];
+
+/// Removes hop-by-hop headers, including every name listed in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Names listed in Connection first (they may only be known from there).
+    if headers.contains_key(CONNECTION) {
+        let listed: Vec<HeaderName> = headers
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for n in listed {
+            headers.remove(n);
+        }
+    }
+    for h in &HOP_BY_HOP {
+        headers.remove(h);
+    }
+}
+
+/// Removes every header a client must never set: `x-auth-*` identity headers and the
+/// gateway's own request id and deadline.
+pub fn strip_client_identity(headers: &mut HeaderMap) {
+    let has_auth = headers.keys().any(|k| k.as_str().starts_with("x-auth-"));
+    if has_auth {
+        let names: Vec<HeaderName> = headers.keys().filter(|k| k.as_str().starts_with("x-auth-")).cloned().collect();
+        for n in names {
+            headers.remove(n);
+        }
+    }
+    headers.remove(X_REQUEST_ID);
+    headers.remove(X_DEADLINE_MS);
+}
+
+/// `x-request-id`.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// `x-deadline-ms`: the time the backend has left, in milliseconds.
+pub const X_DEADLINE_MS: HeaderName = HeaderName::from_static("x-deadline-ms");
+/// W3C `traceparent`.
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn hex_into(out: &mut [u8], mut v: u128, digits: usize) {
+    for i in (0..digits).rev() {
+        if let Some(b) = out.get_mut(i) {
+            *b = HEX[(v & 0xf) as usize];
+        }
+        v >>= 4;
+    }
+}
+
+/// A new request id (32 lowercase hex digits) that also serves as the trace id of a
+/// trace this request starts.
+pub fn new_request_id() -> (u128, HeaderValue) {
+    let id = fastrand::u128(1..);
+    let mut buf = [0u8; 32];
+    hex_into(&mut buf, id, 32);
+    (id, HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0")))
+}
+
+/// The `traceparent` to send upstream: the client's trace id if it sent a valid one
+/// (W3C Trace Context, version 00), else `fallback_trace`; a new span id; sampled flag kept.
+pub fn traceparent(incoming: Option<&HeaderValue>, fallback_trace: u128) -> HeaderValue {
+    // 00-<32 hex trace>-<16 hex parent>-<2 hex flags>
+    let mut buf = *b"00-00000000000000000000000000000000-0000000000000000-01";
+    let parsed = incoming.map(HeaderValue::as_bytes).filter(|b| valid_traceparent(b));
+    match parsed {
+        Some(b) => {
+            buf[3..35].copy_from_slice(&b[3..35]);
+            buf[53..55].copy_from_slice(&b[53..55]);
+        }
+        None => hex_into(&mut buf[3..35], fallback_trace, 32),
+    }
+    hex_into(&mut buf[36..52], u128::from(fastrand::u64(1..)), 16);
+    HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("00-0-0-00"))
+}
+
+fn valid_traceparent(b: &[u8]) -> bool {
+    let lower_hex = |s: &[u8]| s.iter().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(c));
+    b.len() == 55
+        && &b[0..3] == b"00-"
+        && b[35] == b'-'
+        && b[52] == b'-'
+        && lower_hex(&b[3..35])
+        && lower_hex(&b[36..52])
+        && lower_hex(&b[53..55])
+        && b[3..35].iter().any(|&c| c != b'0')
+        && b[36..52].iter().any(|&c| c != b'0')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_listed_and_hop_by_hop_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(CONNECTION, HeaderValue::from_static("keep-alive, x-auth-subject, X-Secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("x-auth-subject", HeaderValue::from_static("admin"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert("x-keep", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-keep"));
+    }
+
+    #[test]
+    fn identity_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert("x-auth-subject", HeaderValue::from_static("admin"));
+        h.append("x-auth-scopes", HeaderValue::from_static("all"));
+        h.insert("x-request-id", HeaderValue::from_static("mine"));
+        h.insert("x-authz", HeaderValue::from_static("kept"));
+        strip_client_identity(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-authz"));
+    }
+
+    #[test]
+    fn request_ids_are_hex_and_distinct() {
+        let (_, a) = new_request_id();
+        let (_, b) = new_request_id();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
+        assert!(a.as_bytes().iter().all(u8::is_ascii_hexdigit));
+    }
+
+    #[test]
+    fn traceparent_keeps_a_valid_trace_and_replaces_junk() {
+        let incoming = HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let out = traceparent(Some(&incoming), 0xabc);
+        let s = out.to_str().unwrap();
+        assert!(s.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{s}");
+        assert_ne!(&s[36..52], "00f067aa0ba902b7");
+        let junk = HeaderValue::from_static("garbage");
+        let out = traceparent(Some(&junk), 0xabc);
+        assert!(out.to_str().unwrap().starts_with("00-00000000000000000000000000000abc-"));
+        assert!(valid_traceparent(out.as_bytes()));
+    }
+}

@@ -1,0 +1,214 @@
+//! Lock-free request metrics, rendered as Prometheus text on the admin listener.
+//!
+//! Each route's counters live in one [`RouteMetrics`] that snapshot builds reuse by
+//! route id, so counters survive reloads and a request only touches atomics.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, in microseconds.
+const BOUNDS_US: [u64; 18] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000,
+    5_000_000, 10_000_000, 30_000_000,
+];
+
+/// A fixed-bucket histogram of durations.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let i = BOUNDS_US.partition_point(|&b| b < us);
+        if let Some(b) = self.buckets.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            cumulative += b.load(Ordering::Relaxed);
+            match BOUNDS_US.get(i) {
+                Some(bound) => {
+                    let le = *bound as f64 / 1e6;
+                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cumulative}");
+                }
+                None => {
+                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
+                }
+            }
+        }
+        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
+    }
+}
+
+/// Counters of one route (or of requests that matched no route).
+#[derive(Debug, Default)]
+pub struct RouteMetrics {
+    /// Responses by status class: index 1..=5 for 1xx..5xx, 0 for anything else.
+    by_class: [AtomicU64; 6],
+    /// Total time until the response head was sent.
+    pub latency: Histogram,
+    /// Time the gateway itself added (total minus waiting for the backend).
+    pub added: Histogram,
+}
+
+impl RouteMetrics {
+    /// Counts one response.
+    pub fn count(&self, status: u16) {
+        let class = usize::from(status / 100);
+        let i = if (1..=5).contains(&class) { class } else { 0 };
+        if let Some(c) = self.by_class.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Stable codes of responses the gateway makes itself, for the errors counter.
+pub const PROBLEM_CODES: [&str; 12] = [
+    "route_not_found",
+    "method_not_allowed",
+    "payload_too_large",
+    "bad_request",
+    "upstream_unavailable",
+    "upstream_timeout",
+    "filter_failed",
+    "invalid_path",
+    "misdirected_request",
+    "internal_error",
+    "service_unavailable",
+    "other",
+];
+
+/// All metrics of the process.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    routes: Mutex<BTreeMap<Arc<str>, Arc<RouteMetrics>>>,
+    /// Requests that matched no route.
+    pub unrouted: RouteMetrics,
+    problems: [AtomicU64; PROBLEM_CODES.len()],
+    /// Snapshots applied.
+    pub reloads_ok: AtomicU64,
+    /// Snapshots refused.
+    pub reloads_failed: AtomicU64,
+    /// Version of the running snapshot.
+    pub snapshot_version: AtomicU64,
+    /// Open client connections.
+    pub connections: AtomicU64,
+}
+
+impl Metrics {
+    /// The metrics of route `id`, created on first use; called when a snapshot is built,
+    /// never per request.
+    pub fn route(&self, id: &Arc<str>) -> Arc<RouteMetrics> {
+        let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(id.clone()).or_default().clone()
+    }
+
+    /// Counts a response the gateway made itself.
+    pub fn problem(&self, code: &str) {
+        let i = PROBLEM_CODES.iter().position(|c| *c == code).unwrap_or(PROBLEM_CODES.len() - 1);
+        if let Some(c) = self.problems.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(16 * 1024);
+        let routes: Vec<(Arc<str>, Arc<RouteMetrics>)> = {
+            let map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        let all: Vec<(String, &RouteMetrics)> = routes
+            .iter()
+            .map(|(k, v)| (escape(k), &**v))
+            .chain(std::iter::once(("(none)".to_owned(), &self.unrouted)))
+            .collect();
+
+        out.push_str("# HELP postern_requests_total Responses sent, by route and status class.\n");
+        out.push_str("# TYPE postern_requests_total counter\n");
+        for (route, m) in &all {
+            for (i, c) in m.by_class.iter().enumerate() {
+                let n = c.load(Ordering::Relaxed);
+                if n == 0 {
+                    continue;
+                }
+                let class = if i == 0 { "other".to_owned() } else { format!("{i}xx") };
+                let _ = writeln!(out, "postern_requests_total{{route=\"{route}\",status=\"{class}\"}} {n}");
+            }
+        }
+        out.push_str("# HELP postern_request_duration_seconds Time from request to response head.\n");
+        out.push_str("# TYPE postern_request_duration_seconds histogram\n");
+        for (route, m) in &all {
+            m.latency.render(&mut out, "postern_request_duration_seconds", &format!("route=\"{route}\""));
+        }
+        out.push_str("# HELP postern_added_latency_seconds Time the gateway added on top of the backend.\n");
+        out.push_str("# TYPE postern_added_latency_seconds histogram\n");
+        for (route, m) in &all {
+            m.added.render(&mut out, "postern_added_latency_seconds", &format!("route=\"{route}\""));
+        }
+        out.push_str("# HELP postern_gateway_errors_total Responses the gateway made itself, by code.\n");
+        out.push_str("# TYPE postern_gateway_errors_total counter\n");
+        for (code, c) in PROBLEM_CODES.iter().zip(&self.problems) {
+            let _ = writeln!(out, "postern_gateway_errors_total{{code=\"{code}\"}} {}", c.load(Ordering::Relaxed));
+        }
+        let gauges = [
+            ("postern_snapshot_version", "gauge", "Version of the running snapshot.", &self.snapshot_version),
+            ("postern_snapshot_reloads_total", "counter", "Snapshots applied.", &self.reloads_ok),
+            ("postern_snapshot_reload_failures_total", "counter", "Snapshots refused.", &self.reloads_failed),
+            ("postern_open_connections", "gauge", "Open client connections.", &self.connections),
+        ];
+        for (name, kind, help, v) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", v.load(Ordering::Relaxed));
+        }
+        out
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::default();
+        h.observe(Duration::from_micros(40));
+        h.observe(Duration::from_micros(300));
+        h.observe(Duration::from_secs(60));
+        let mut out = String::new();
+        h.render(&mut out, "x", "a=\"b\"");
+        assert!(out.contains("x_bucket{a=\"b\",le=\"0.00005\"} 1"), "{out}");
+        assert!(out.contains("x_bucket{a=\"b\",le=\"0.0005\"} 2"), "{out}");
+        assert!(out.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3"), "{out}");
+        assert!(out.contains("x_count{a=\"b\"} 3"), "{out}");
+    }
+
+    #[test]
+    fn route_counters_survive_lookups() {
+        let m = Metrics::default();
+        let id: Arc<str> = Arc::from("team/r");
+        m.route(&id).count(200);
+        m.route(&id).count(503);
+        m.problem("route_not_found");
+        let text = m.render();
+        assert!(text.contains("postern_requests_total{route=\"team/r\",status=\"2xx\"} 1"), "{text}");
+        assert!(text.contains("postern_requests_total{route=\"team/r\",status=\"5xx\"} 1"), "{text}");
+        assert!(text.contains("postern_gateway_errors_total{code=\"route_not_found\"} 1"), "{text}");
+    }
+}

@@ -1,0 +1,357 @@
+//! The request path: id → snapshot → route → header hygiene → filters → rewrite →
+//! forward (streaming, with the route's timeouts) → response filters → metrics.
+//!
+//! Nothing here takes a lock, makes a network call other than to the backend, or holds
+//! anything across an `.await` but the request's own state.
+
+use std::borrow::Cow;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use http::header::{CONTENT_LENGTH, HOST};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use postern_filter_contract::{Context, Flow, Problem};
+use postern_model::Pool;
+use postern_router::Match;
+
+use crate::body::{LimitedBody, ResponseBody, is_too_large};
+use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
+use crate::metrics::{Metrics, RouteMetrics};
+use crate::respond::{self, problems};
+use crate::snapshot::{CompiledRoute, Live, Rewrite};
+
+/// Shared state of the data plane.
+#[derive(Debug)]
+pub struct Gateway {
+    /// The live snapshot, swapped whole.
+    pub live: ArcSwap<Live>,
+    /// Process metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Facts about one client connection, computed once per connection.
+#[derive(Debug)]
+pub struct ConnInfo {
+    /// The listener's pool.
+    pub pool: Pool,
+    /// The client's address.
+    pub peer: SocketAddr,
+    /// `http` or `https`.
+    pub proto: HeaderValue,
+    /// `X-Forwarded-For` value (the client's IP; client-sent values are not trusted).
+    pub xff: HeaderValue,
+    /// `Forwarded` value (`for=..;proto=..`, RFC 7239).
+    pub forwarded: HeaderValue,
+}
+
+impl ConnInfo {
+    /// Facts for a connection from `peer` on a `pool` listener.
+    pub fn new(pool: Pool, peer: SocketAddr, tls: bool) -> ConnInfo {
+        let proto = if tls { "https" } else { "http" };
+        let ip = peer.ip();
+        let xff = HeaderValue::from_str(&ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"));
+        let fwd =
+            if ip.is_ipv6() { format!("for=\"[{ip}]\";proto={proto}") } else { format!("for={ip};proto={proto}") };
+        ConnInfo {
+            pool,
+            peer,
+            proto: HeaderValue::from_static(proto),
+            xff,
+            forwarded: HeaderValue::from_str(&fwd).unwrap_or(HeaderValue::from_static("for=unknown")),
+        }
+    }
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+
+/// Whether a path has a `.` or `..` segment, plain or percent-encoded.
+fn has_dot_segment(path: &str) -> bool {
+    path.split('/').any(|seg| {
+        if seg.len() > 6 || seg.is_empty() {
+            return false;
+        }
+        let b = seg.as_bytes();
+        let mut dots = 0;
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'.' {
+                i += 1;
+            } else if b[i] == b'%' && b.get(i + 1) == Some(&b'2') && matches!(b.get(i + 2), Some(b'e' | b'E')) {
+                i += 3;
+            } else {
+                return false;
+            }
+            dots += 1;
+        }
+        dots == 1 || dots == 2
+    })
+}
+
+/// The request's host, lowercase, without a port.
+fn request_host(parts: &http::request::Parts) -> Option<Cow<'_, str>> {
+    let raw = match parts.uri.authority() {
+        Some(a) => a.host(),
+        None => {
+            let h = parts.headers.get(HOST)?.to_str().ok()?;
+            strip_port(h)
+        }
+    };
+    if raw.bytes().any(|b| b.is_ascii_uppercase()) {
+        Some(Cow::Owned(raw.to_ascii_lowercase()))
+    } else {
+        Some(Cow::Borrowed(raw))
+    }
+}
+
+fn strip_port(h: &str) -> &str {
+    if h.starts_with('[') {
+        return h.find(']').map_or(h, |i| &h[..=i]);
+    }
+    match h.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => h,
+    }
+}
+
+fn rewrite_path(path: &str, query: Option<&str>, rw: &Rewrite) -> Option<PathAndQuery> {
+    let mut out = String::with_capacity(path.len() + 16);
+    match rw {
+        Rewrite::Full(p) => out.push_str(p),
+        Rewrite::Prefix { segments, with } => {
+            // Skip the route's leading segments; keep the rest with its leading '/'.
+            let mut rest = path;
+            for _ in 0..*segments {
+                let r = rest.strip_prefix('/').unwrap_or(rest);
+                rest = r.find('/').map_or("", |i| &r[i..]);
+            }
+            out.push_str(with);
+            if rest.is_empty() {
+                if out.is_empty() {
+                    out.push('/');
+                }
+            } else {
+                out.push_str(rest);
+            }
+        }
+    }
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    PathAndQuery::from_maybe_shared(out).ok()
+}
+
+/// Serves one request.
+pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming>) -> Response<ResponseBody> {
+    let start = Instant::now();
+    let (trace, rid) = headers::new_request_id();
+    let live = gw.live.load_full();
+    let (mut parts, body) = req.into_parts();
+
+    let fail = |p: Problem, m: &RouteMetrics| -> Response<ResponseBody> {
+        gw.metrics.problem(p.code);
+        let mut resp = respond::problem(&p, &rid);
+        m.count(resp.status().as_u16());
+        m.latency.observe(start.elapsed());
+        m.added.observe(start.elapsed());
+        resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
+        resp
+    };
+
+    if has_dot_segment(parts.uri.path()) {
+        return fail(problems::invalid_path("dot segments are not allowed in the path"), &gw.metrics.unrouted);
+    }
+    let Some(host) = request_host(&parts) else {
+        return fail(problems::bad_request("the request has no host"), &gw.metrics.unrouted);
+    };
+    let route: &CompiledRoute =
+        match live.router(conn.pool).find(&host, &parts.method, parts.uri.path(), &parts.headers) {
+            Match::Found(r) => r,
+            Match::NotFound => return fail(problems::route_not_found(), &gw.metrics.unrouted),
+            Match::MethodNotAllowed(allowed) => {
+                let allow = HeaderValue::from_str(&allowed.to_allow_header()).unwrap_or(HeaderValue::from_static(""));
+                return fail(problems::method_not_allowed(allow), &gw.metrics.unrouted);
+            }
+        };
+    drop(host);
+    let m = &*route.metrics;
+
+    // Content-Length is the fast path; counting bytes is the real limit.
+    if let Some(len) = parts.headers.get(CONTENT_LENGTH) {
+        match len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
+            Some(n) if n > route.max_body_bytes => return fail(problems::payload_too_large(route.max_body_bytes), m),
+            Some(_) => {}
+            None => return fail(problems::bad_request("invalid Content-Length"), m),
+        }
+    }
+
+    headers::strip_hop_by_hop(&mut parts.headers);
+    headers::strip_client_identity(&mut parts.headers);
+
+    let cx = if route.filters.is_empty() {
+        None
+    } else {
+        Some(Context { route_id: route.id.clone(), request_id: rid.clone() })
+    };
+    if let Some(cx) = &cx {
+        for f in &route.filters {
+            let outcome = match f.on_request(&mut parts, cx) {
+                Flow::Continue => Ok(()),
+                Flow::Respond(r) => Err(r),
+                Flow::Wait(fut) => fut.await,
+            };
+            if let Err(reply) = outcome {
+                let mut resp = respond::reply(reply, &rid);
+                m.count(resp.status().as_u16());
+                m.latency.observe(start.elapsed());
+                resp.headers_mut().insert(X_REQUEST_ID, rid);
+                return resp;
+            }
+        }
+    }
+
+    // Pick the backend: a stable hash of the caller's key, so one caller sees one version.
+    let key = route.split_header.as_ref().and_then(|h| parts.headers.get(h)).map(HeaderValue::as_bytes);
+    let Some(endpoint) = route.split(key).and_then(|u| u.pick()).cloned() else {
+        return fail(problems::upstream_unavailable("the route's cluster has no endpoints"), m);
+    };
+
+    let pq = match &route.rewrite {
+        None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
+        Some(rw) => match rewrite_path(parts.uri.path(), parts.uri.query(), rw) {
+            Some(pq) => pq,
+            None => return fail(problems::bad_request("the rewritten path is not valid"), m),
+        },
+    };
+    let original_authority: Option<Authority> = parts.uri.authority().cloned();
+    let mut uri_parts = http::uri::Parts::default();
+    uri_parts.scheme = Some(Scheme::HTTP);
+    uri_parts.authority = Some(endpoint);
+    uri_parts.path_and_query = Some(pq);
+    parts.uri = match Uri::from_parts(uri_parts) {
+        Ok(u) => u,
+        Err(_) => return fail(problems::internal("cannot build the upstream URI"), m),
+    };
+    parts.version = Version::HTTP_11;
+
+    let h = &mut parts.headers;
+    if !h.contains_key(HOST) {
+        // HTTP/2 carries the host in :authority; HTTP/1.1 backends need it in Host.
+        if let Some(a) = original_authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
+            h.insert(HOST, a);
+        }
+    }
+    if let Some(host) = h.get(HOST).cloned() {
+        h.insert(X_FORWARDED_HOST, host);
+    }
+    h.insert(X_FORWARDED_FOR, conn.xff.clone());
+    h.insert(X_FORWARDED_PROTO, conn.proto.clone());
+    h.insert(FORWARDED, conn.forwarded.clone());
+    let tp = headers::traceparent(h.get(TRACEPARENT), trace);
+    h.insert(TRACEPARENT, tp);
+    h.insert(X_REQUEST_ID, rid.clone());
+    let left = route.response_timeout.saturating_sub(start.elapsed());
+    h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
+
+    let up = Request::from_parts(parts, LimitedBody::new(body, route.max_body_bytes));
+    let sent = Instant::now();
+    let result = tokio::time::timeout(left, route.client.request(up)).await;
+    let waited = sent.elapsed();
+
+    let resp = match result {
+        Err(_) => {
+            let detail = format!("the backend did not answer within {} ms", route.response_timeout.as_millis());
+            return fail(problems::upstream_timeout(detail), m);
+        }
+        Ok(Err(e)) => return fail(classify(&e, route), m),
+        Ok(Ok(resp)) => resp,
+    };
+
+    let (mut rp, rb) = resp.into_parts();
+    headers::strip_hop_by_hop(&mut rp.headers);
+    if let Some(cx) = &cx {
+        for f in &route.filters {
+            f.on_response(&mut rp, cx);
+        }
+    }
+    for (k, v) in &route.response_headers {
+        rp.headers.insert(k.clone(), v.clone());
+    }
+    rp.headers.insert(X_REQUEST_ID, rid);
+    m.count(rp.status.as_u16());
+    let total = start.elapsed();
+    m.latency.observe(total);
+    m.added.observe(total.saturating_sub(waited));
+    Response::from_parts(rp, ResponseBody::Upstream(rb))
+}
+
+/// Turns a client error into the problem the caller sees.
+fn classify(e: &hyper_util::client::legacy::Error, route: &CompiledRoute) -> Problem {
+    if is_too_large(e) {
+        return problems::payload_too_large(route.max_body_bytes);
+    }
+    if e.is_connect() {
+        if source_chain_has_timeout(e) {
+            return problems::upstream_timeout("the backend did not accept the connection in time");
+        }
+        return problems::upstream_unavailable("the backend refused the connection");
+    }
+    problems::upstream_unavailable("the backend closed or reset the connection")
+}
+
+fn source_chain_has_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return true;
+            }
+        }
+        if err.to_string().contains("timed out") || err.to_string().contains("timeout") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_segments_are_found_plain_and_encoded() {
+        for p in ["/a/../b", "/a/./b", "/..", "/a/%2e%2E/b", "/a/.%2e", "/a/%2e"] {
+            assert!(has_dot_segment(p), "{p}");
+        }
+        for p in ["/a/b", "/a/.well-known", "/a/...", "/a/b.c", "/"] {
+            assert!(!has_dot_segment(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn ports_are_stripped() {
+        assert_eq!(strip_port("api.example.com:8080"), "api.example.com");
+        assert_eq!(strip_port("api.example.com"), "api.example.com");
+        assert_eq!(strip_port("[::1]:8080"), "[::1]");
+    }
+
+    #[test]
+    fn prefix_rewrite_keeps_the_rest() {
+        let rw = Rewrite::Prefix { segments: 2, with: "/orders".into() };
+        assert_eq!(rewrite_path("/v1/orders/7", Some("a=1"), &rw).unwrap().as_str(), "/orders/7?a=1");
+        assert_eq!(rewrite_path("/v1/orders", None, &rw).unwrap().as_str(), "/orders");
+        let rw = Rewrite::Prefix { segments: 2, with: String::new() };
+        assert_eq!(rewrite_path("/v1/echo/x/y", None, &rw).unwrap().as_str(), "/x/y");
+        assert_eq!(rewrite_path("/v1/echo", None, &rw).unwrap().as_str(), "/");
+        let rw = Rewrite::Full("/health".into());
+        assert_eq!(rewrite_path("/anything/here", Some("q"), &rw).unwrap().as_str(), "/health?q");
+    }
+}

@@ -1,0 +1,316 @@
+//! The live snapshot: the model compiled into what requests read — one route table per
+//! pool, each route with its filters built, its backends resolved and its metrics bound.
+//!
+//! A new snapshot is built beside the live one (filters validated, clients ready) and
+//! swapped in with one pointer store; requests that already hold the old `Arc` finish
+//! on it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use http::uri::Authority;
+use http::{HeaderName, HeaderValue};
+use postern_filter_contract::Filter;
+use postern_model::{Pool, Snapshot, SnapshotFile};
+use postern_router::{PathKind, Router, RouterBuilder};
+
+use crate::metrics::{Metrics, RouteMetrics};
+use crate::upstream::{Client, Clients};
+
+/// Why a snapshot was refused by this node.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// The file could not be read or failed its hash or schema check.
+    #[error(transparent)]
+    File(#[from] postern_model::SnapshotError),
+    /// A route cannot be built.
+    #[error("route {route}: {reason}")]
+    Route {
+        /// Route id.
+        route: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A backend cluster: endpoints used round robin.
+#[derive(Debug)]
+pub struct Upstream {
+    /// Cluster name.
+    pub name: Arc<str>,
+    endpoints: Vec<Authority>,
+    next: AtomicUsize,
+}
+
+impl Upstream {
+    /// The next endpoint, round robin.
+    pub fn pick(&self) -> Option<&Authority> {
+        let n = self.endpoints.len();
+        if n == 0 {
+            return None;
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        self.endpoints.get(i)
+    }
+}
+
+/// A path rewrite, ready to apply.
+#[derive(Debug)]
+pub enum Rewrite {
+    /// Replace the first `segments` path segments with `with`.
+    Prefix {
+        /// How many leading segments the route's pattern has.
+        segments: usize,
+        /// Replacement, without a trailing `/`.
+        with: String,
+    },
+    /// Replace the whole path.
+    Full(String),
+}
+
+/// One route, ready for requests.
+pub struct CompiledRoute {
+    /// `team/name`.
+    pub id: Arc<str>,
+    /// Backends, indexed by [`CompiledRoute::split`].
+    pub backends: Vec<Arc<Upstream>>,
+    /// Bucket (0..100) → index into `backends`.
+    pub buckets: [u8; 100],
+    /// Per-route hash seed, so routes split independently.
+    pub seed: u64,
+    /// Header keying the split.
+    pub split_header: Option<HeaderName>,
+    /// Client with this route's connect timeout.
+    pub client: Client,
+    /// Until the backend's response head.
+    pub response_timeout: Duration,
+    /// Body limit.
+    pub max_body_bytes: u64,
+    /// Path rewrite.
+    pub rewrite: Option<Rewrite>,
+    /// Filters in order.
+    pub filters: Vec<Arc<dyn Filter>>,
+    /// Headers added to every response (deprecation, sunset, link).
+    pub response_headers: Vec<(HeaderName, HeaderValue)>,
+    /// Counters.
+    pub metrics: Arc<RouteMetrics>,
+}
+
+impl std::fmt::Debug for CompiledRoute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledRoute").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+impl CompiledRoute {
+    /// The backend for a caller: a stable hash of `key` into 100 buckets, so one caller
+    /// always sees one backend; a random bucket without a key.
+    pub fn split(&self, key: Option<&[u8]>) -> Option<&Arc<Upstream>> {
+        if self.backends.len() == 1 {
+            return self.backends.first();
+        }
+        let bucket = match key {
+            Some(k) => (xxhash_rust::xxh3::xxh3_64_with_seed(k, self.seed) % 100) as usize,
+            None => fastrand::usize(..100),
+        };
+        let i = self.buckets.get(bucket).copied().unwrap_or(0);
+        self.backends.get(usize::from(i))
+    }
+}
+
+/// Everything a request reads, immutable once built.
+pub struct Live {
+    /// Snapshot number.
+    pub version: u64,
+    /// Content hash.
+    pub hash: String,
+    /// When this node loaded it.
+    pub loaded_at: SystemTime,
+    /// Route count.
+    pub route_count: usize,
+    public: Router<CompiledRoute>,
+    partner: Router<CompiledRoute>,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live").field("version", &self.version).field("hash", &self.hash).finish_non_exhaustive()
+    }
+}
+
+impl Live {
+    /// The route table of a pool.
+    pub fn router(&self, pool: Pool) -> &Router<CompiledRoute> {
+        match pool {
+            Pool::Public => &self.public,
+            Pool::Partner => &self.partner,
+        }
+    }
+}
+
+/// Builds [`Live`] snapshots, reusing HTTP clients (and so their pooled connections)
+/// and route metrics across reloads.
+#[derive(Debug)]
+pub struct Builder {
+    clients: Mutex<Clients>,
+    metrics: Arc<Metrics>,
+}
+
+fn bucket_table(weights: &[u32]) -> [u8; 100] {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
+    let mut table = [0u8; 100];
+    let mut cum = 0u64;
+    let mut start = 0usize;
+    for (i, &w) in weights.iter().enumerate() {
+        cum += u64::from(w);
+        let end = ((cum * 100 + total / 2) / total).min(100) as usize;
+        for slot in table.iter_mut().take(end).skip(start) {
+            *slot = u8::try_from(i).unwrap_or(0);
+        }
+        start = end.max(start);
+    }
+    table
+}
+
+fn http_date(unix: i64) -> Option<HeaderValue> {
+    let t = SystemTime::UNIX_EPOCH + Duration::from_secs(u64::try_from(unix).ok()?);
+    HeaderValue::from_str(&httpdate::fmt_http_date(t)).ok()
+}
+
+impl Builder {
+    /// A builder that registers route metrics in `metrics`.
+    pub fn new(metrics: Arc<Metrics>) -> Builder {
+        Builder { clients: Mutex::new(Clients::default()), metrics }
+    }
+
+    /// Reads, checks and builds a snapshot file's bytes.
+    pub fn build_bytes(&self, bytes: &[u8]) -> Result<Live, BuildError> {
+        let (file, snapshot) = SnapshotFile::open(bytes)?;
+        self.build(file.version, file.hash, &snapshot)
+    }
+
+    /// Builds a snapshot; refuses it whole if any route cannot be built.
+    pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
+        let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
+        for (name, c) in &snapshot.clusters {
+            let mut endpoints = Vec::with_capacity(c.endpoints.len());
+            for e in &c.endpoints {
+                let a = e.parse::<Authority>().map_err(|err| BuildError::Route {
+                    route: format!("(cluster {name})"),
+                    reason: format!("endpoint {e:?}: {err}"),
+                })?;
+                endpoints.push(a);
+            }
+            upstreams.insert(
+                name,
+                Arc::new(Upstream { name: Arc::from(name.as_str()), endpoints, next: AtomicUsize::new(0) }),
+            );
+        }
+
+        let mut public = RouterBuilder::new();
+        let mut partner = RouterBuilder::new();
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        for r in &snapshot.routes {
+            let err = |reason: String| BuildError::Route { route: r.id.clone(), reason };
+            let mut backends = Vec::with_capacity(r.backends.len());
+            for b in &r.backends {
+                let u =
+                    upstreams.get(b.cluster.as_str()).ok_or_else(|| err(format!("unknown cluster {:?}", b.cluster)))?;
+                backends.push(u.clone());
+            }
+            if backends.is_empty() || backends.len() > 255 {
+                return Err(err("a route needs 1 to 255 backends".into()));
+            }
+            let weights: Vec<u32> = r.backends.iter().map(|b| b.weight).collect();
+            let split_header = match &r.split_header {
+                None => None,
+                Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
+            };
+            let mut filters = Vec::with_capacity(r.filters.len());
+            for f in &r.filters {
+                filters.push(
+                    postern_builtin_filters::build(&f.kind, &f.config)
+                        .map_err(|e| err(format!("filter {}: {e}", f.kind)))?,
+                );
+            }
+            let kind = match r.path_kind {
+                postern_model::PathMatchKind::Exact => PathKind::Exact,
+                postern_model::PathMatchKind::Prefix => PathKind::Prefix,
+            };
+            let rewrite = match &r.rewrite {
+                None => None,
+                Some(postern_model::PathRewrite::ReplacePrefix(p)) => Some(Rewrite::Prefix {
+                    segments: r.path.trim_matches('/').split('/').filter(|s| !s.is_empty()).count(),
+                    with: p.trim_end_matches('/').to_owned(),
+                }),
+                Some(postern_model::PathRewrite::ReplaceFull(p)) => Some(Rewrite::Full(p.clone())),
+            };
+            let mut response_headers = Vec::new();
+            if let Some(d) = &r.deprecation {
+                let deprecation = match d.since {
+                    Some(t) => HeaderValue::from_str(&format!("@{t}")).ok(),
+                    None => Some(HeaderValue::from_static("true")),
+                };
+                response_headers.extend(deprecation.map(|v| (HeaderName::from_static("deprecation"), v)));
+                if let Some(v) = d.sunset.and_then(http_date) {
+                    response_headers.push((HeaderName::from_static("sunset"), v));
+                }
+                if let Some(l) = &d.link {
+                    let v = HeaderValue::from_str(&format!("<{l}>; rel=\"deprecation\""))
+                        .map_err(|e| err(format!("link: {e}")))?;
+                    response_headers.push((http::header::LINK, v));
+                }
+            }
+            let id: Arc<str> = Arc::from(r.id.as_str());
+            let compiled = CompiledRoute {
+                metrics: self.metrics.route(&id),
+                seed: xxhash_rust::xxh3::xxh3_64(r.id.as_bytes()),
+                id,
+                backends,
+                buckets: bucket_table(&weights),
+                split_header,
+                client: clients.get(Duration::from_millis(r.timeouts.connect_ms)),
+                response_timeout: Duration::from_millis(r.timeouts.response_ms),
+                max_body_bytes: r.max_body_bytes,
+                rewrite,
+                filters,
+                response_headers,
+            };
+            let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
+            let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };
+            let table = match r.pool {
+                Pool::Public => &mut public,
+                Pool::Partner => &mut partner,
+            };
+            table.add(&spec, compiled).map_err(|e| err(e.to_string()))?;
+        }
+        Ok(Live {
+            version,
+            hash,
+            loaded_at: SystemTime::now(),
+            route_count: snapshot.routes.len(),
+            public: public.build(),
+            partner: partner.build(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_table_follows_weights() {
+        let t = bucket_table(&[95, 5]);
+        assert_eq!(t.iter().filter(|&&i| i == 0).count(), 95);
+        assert_eq!(t.iter().filter(|&&i| i == 1).count(), 5);
+        let t = bucket_table(&[1, 1, 1]);
+        let counts: Vec<usize> = (0..3).map(|k| t.iter().filter(|&&i| i == k).count()).collect();
+        assert_eq!(counts.iter().sum::<usize>(), 100);
+        assert!(counts.iter().all(|&c| (33..=34).contains(&c)), "{counts:?}");
+        let t = bucket_table(&[0, 10]);
+        assert!(t.iter().all(|&i| i == 1));
+    }
+}

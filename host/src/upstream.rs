@@ -1,0 +1,40 @@
+//! Connections to backends: pooled keep-alive HTTP/1.1 clients, one per connect timeout
+//! (hyper pools by endpoint inside each), kept across snapshot reloads.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::body::LimitedBody;
+
+/// A pooled HTTP client for backends.
+pub type Client = hyper_util::client::legacy::Client<HttpConnector, LimitedBody>;
+
+/// Clients by connect timeout.
+#[derive(Debug, Default)]
+pub struct Clients {
+    by_connect_timeout: HashMap<Duration, Client>,
+}
+
+impl Clients {
+    /// The client with this connect timeout, made on first use.
+    pub fn get(&mut self, connect_timeout: Duration) -> Client {
+        self.by_connect_timeout
+            .entry(connect_timeout)
+            .or_insert_with(|| {
+                let mut connector = HttpConnector::new();
+                connector.set_connect_timeout(Some(connect_timeout));
+                connector.set_nodelay(true);
+                connector.set_keepalive(Some(Duration::from_secs(60)));
+                hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                    .pool_timer(TokioTimer::new())
+                    .timer(TokioTimer::new())
+                    .pool_idle_timeout(Duration::from_secs(90))
+                    .pool_max_idle_per_host(1024)
+                    .build(connector)
+            })
+            .clone()
+    }
+}
