@@ -91,7 +91,13 @@ impl Ctx {
             Err(e) => {
                 let field = e.path().to_string();
                 let field = if field == "." { String::new() } else { field };
-                self.error(path, field, e.into_inner().to_string(), owner);
+                let msg = e.into_inner().to_string();
+                // The YAML error repeats the enclosing path ("routes[0]: ..."); drop it.
+                let msg = match msg.split_once(": ") {
+                    Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
+                    _ => msg,
+                };
+                self.error(path, field, msg, owner);
                 None
             }
         }
@@ -378,10 +384,10 @@ fn compile_route(
         backends.push(WeightedBackend { cluster: b.name.clone(), weight: b.weight });
     }
     let split_header = r.sticky_header.as_ref().map(|h| h.to_ascii_lowercase());
-    if let Some(h) = &split_header {
-        if postern_router_header_ok(h).is_err() {
-            cx.error(file, format!("{field}.stickyHeader"), format!("{h:?} is not a header name"), owner);
-        }
+    if let Some(h) = &split_header
+        && postern_router_header_ok(h).is_err()
+    {
+        cx.error(file, format!("{field}.stickyHeader"), format!("{h:?} is not a header name"), owner);
     }
 
     // Timeouts.
@@ -418,15 +424,15 @@ fn compile_route(
             }
         },
     };
-    if let Some(PathRewrite::ReplacePrefix(p) | PathRewrite::ReplaceFull(p)) = &rewrite {
-        if !p.starts_with('/') || p.contains(['?', '#', ' ']) || p.split('/').any(|s| s == ".." || s == ".") {
-            cx.error(
-                file,
-                format!("{field}.rewrite"),
-                format!("{p:?} must be an absolute path without '?', '#' or dot segments"),
-                owner,
-            );
-        }
+    if let Some(PathRewrite::ReplacePrefix(p) | PathRewrite::ReplaceFull(p)) = &rewrite
+        && (!p.starts_with('/') || p.contains(['?', '#', ' ']) || p.split('/').any(|s| s == ".." || s == "."))
+    {
+        cx.error(
+            file,
+            format!("{field}.rewrite"),
+            format!("{p:?} must be an absolute path without '?', '#' or dot segments"),
+            owner,
+        );
     }
 
     let mut filters = Vec::new();
@@ -454,10 +460,10 @@ fn compile_route(
         };
         let since = date("since", &d.since, cx);
         let sunset = date("sunset", &d.sunset, cx);
-        if let Some(l) = &d.link {
-            if !(l.starts_with("https://") || l.starts_with("http://")) || l.contains(['<', '>', '"', ' ']) {
-                cx.error(file, format!("{field}.deprecation.link"), "must be an http(s) URL", owner);
-            }
+        if let Some(l) = &d.link
+            && (!(l.starts_with("https://") || l.starts_with("http://")) || l.contains(['<', '>', '"', ' ']))
+        {
+            cx.error(file, format!("{field}.deprecation.link"), "must be an http(s) URL", owner);
         }
         Deprecation { since, sunset, link: d.link.clone() }
     });

@@ -17,10 +17,10 @@ use postern_model::{Snapshot, SnapshotFile};
 pub fn publish(snapshot: &Snapshot, out: &Path, version: Option<u64>) -> anyhow::Result<SnapshotFile> {
     let previous = std::fs::read(out).ok().and_then(|b| SnapshotFile::open(&b).ok()).map(|(f, _)| f);
     let mut file = SnapshotFile::seal(version.unwrap_or(1), snapshot)?;
-    if version.is_none() {
-        if let Some(prev) = previous {
-            file.version = if prev.hash == file.hash { prev.version } else { prev.version + 1 };
-        }
+    if version.is_none()
+        && let Some(prev) = previous
+    {
+        file.version = if prev.hash == file.hash { prev.version } else { prev.version + 1 };
     }
     let bytes = serde_json::to_vec(&file)?;
     let tmp = out.with_extension("json.tmp");

@@ -309,10 +309,10 @@ fn classify(e: &hyper_util::client::legacy::Error, route: &CompiledRoute) -> Pro
 fn source_chain_has_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::TimedOut {
-                return true;
-            }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::TimedOut
+        {
+            return true;
         }
         if err.to_string().contains("timed out") || err.to_string().contains("timeout") {
             return true;

@@ -24,7 +24,7 @@ use crate::snapshot::Builder;
 
 /// Node settings (command line).
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "postern", version, about = "Postern API gateway (data plane)")]
+#[command(name = "postern", version, about = "Postern API gateway (data plane)", args_override_self = true)]
 pub struct Args {
     /// Snapshot file to serve (written by `posternctl compile`); reloaded on SIGHUP and
     /// when it changes.
@@ -305,24 +305,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
     let graceful = Arc::new(GracefulShutdown::new());
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(accept_loop(
-        gw.clone(),
-        public,
-        Pool::Public,
-        tls.clone(),
-        graceful.clone(),
-        stop_rx.clone(),
-    )));
-    tasks.push(tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, graceful.clone(), stop_rx.clone())));
-    tasks.push(tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())));
-    tasks.push(tokio::spawn(watch_snapshot(
-        gw.clone(),
-        builder,
-        args.snapshot.clone(),
-        Duration::from_millis(args.watch_interval_ms.max(10)),
-        stop_rx,
-    )));
+    let watch_every = Duration::from_millis(args.watch_interval_ms.max(10));
+    let tasks = [
+        tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), graceful.clone(), stop_rx.clone())),
+        tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, graceful.clone(), stop_rx.clone())),
+        tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
+        tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), watch_every, stop_rx)),
+    ];
 
     shutdown_signal().await;
     tracing::info!(

@@ -1,1 +1,353 @@
-//! stub
+//! Harness for Postern's end-to-end tests: starts real `postern`, `posternctl` and
+//! `postern-echo` processes on 127.0.0.1 with ephemeral ports, writes config
+//! repositories, and speaks HTTP to them. Every process is killed when its handle drops.
+//!
+//! The binaries are looked up next to the test executable's `deps/` folder, so run
+//! `cargo build --bins` before the tests (`make test` does).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// Path of a workspace binary built beside the running test.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(path.exists(), "{} not found: run `cargo build --bins` first (make test does)", path.display());
+    path
+}
+
+/// A child process killed on drop.
+pub struct Proc {
+    /// The child.
+    pub child: Child,
+}
+
+impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident set size and its peak, in KiB, from /proc.
+    pub fn rss_kib(&self) -> (u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Sends a signal (by number) to the process.
+    pub fn signal(&self, sig: i32) {
+        let _ = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_for_file(path: &Path, proc: &mut Proc, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path)
+            && !s.is_empty()
+        {
+            return s;
+        }
+        assert!(proc.alive(), "{what} exited before it was ready");
+        assert!(Instant::now() < deadline, "{what} did not start within 20 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running echo backend.
+pub struct Echo {
+    /// The process.
+    pub proc: Proc,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Echo {
+    /// Starts an echo backend that names itself `name`.
+    pub fn start(name: &str) -> Echo {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port_file = dir.path().join("port");
+        let child = Command::new(bin("postern-echo"))
+            .args(["--listen", "127.0.0.1:0", "--name", name, "--port-file"])
+            .arg(&port_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn postern-echo");
+        let mut proc = Proc { child };
+        let port = wait_for_file(&port_file, &mut proc, "postern-echo").trim().parse().expect("port");
+        Echo { proc, port, _dir: dir }
+    }
+
+    /// `127.0.0.1:port`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// How many requests this backend has answered.
+    pub async fn count(&self) -> u64 {
+        let r = get(&format!("http://{}/__echo/count", self.addr()), &[]).await;
+        r.json()["count"].as_u64().unwrap_or(0)
+    }
+}
+
+/// A config repository in a temporary directory.
+pub struct Repo {
+    /// Its root.
+    pub dir: tempfile::TempDir,
+}
+
+impl Default for Repo {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Repo {
+    /// An empty repository.
+    pub fn new() -> Repo {
+        Repo { dir: tempfile::tempdir().expect("tempdir") }
+    }
+
+    /// Writes `text` to `rel` (creating folders).
+    pub fn write(&self, rel: &str, text: &str) -> &Repo {
+        let p = self.dir.path().join(rel);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(p, text).expect("write");
+        self
+    }
+
+    /// Root path.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Runs `posternctl compile` into `out`.
+    pub fn compile(&self, out: &Path) -> Output {
+        Command::new(bin("posternctl")).arg("compile").arg(self.path()).arg("-o").arg(out).output().expect("posternctl")
+    }
+
+    /// Runs `posternctl compile` into `out` with extra flags.
+    pub fn compile_with(&self, out: &Path, extra: &[&str]) -> Output {
+        Command::new(bin("posternctl"))
+            .arg("compile")
+            .arg(self.path())
+            .arg("-o")
+            .arg(out)
+            .args(extra)
+            .output()
+            .expect("posternctl")
+    }
+
+    /// Compiles into `out` and panics with the diagnostics if that fails.
+    pub fn compile_ok(&self, out: &Path) {
+        let o = self.compile(out);
+        assert!(o.status.success(), "compile failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+/// A running `postern` node.
+pub struct Node {
+    /// The process.
+    pub proc: Proc,
+    /// Public pool port.
+    pub public: u16,
+    /// Partner pool port.
+    pub partner: u16,
+    /// Admin port.
+    pub admin: u16,
+    /// Where it logs (stderr).
+    pub log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    /// Starts `postern` on `snapshot` with ephemeral ports and extra flags.
+    pub fn start(snapshot: &Path, extra: &[&str]) -> Node {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ports = dir.path().join("ports.json");
+        let log = dir.path().join("postern.log");
+        let child = Command::new(bin("postern"))
+            .arg("--snapshot")
+            .arg(snapshot)
+            .args(["--public", "127.0.0.1:0", "--partner", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["--watch-interval-ms", "100", "--workers", "2"])
+            .args(extra)
+            .arg("--ports-file")
+            .arg(&ports)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn postern");
+        let mut proc = Proc { child };
+        let text = wait_for_file(&ports, &mut proc, "postern");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("ports json");
+        let port = |k: &str| u16::try_from(v[k].as_u64().expect("port")).expect("port");
+        Node { public: port("public"), partner: port("partner"), admin: port("admin"), proc, log, _dir: dir }
+    }
+
+    /// URL on the public pool.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.public)
+    }
+
+    /// URL on the partner pool.
+    pub fn partner_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.partner)
+    }
+
+    /// URL on the admin listener.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin)
+    }
+
+    /// The node's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The running snapshot version, from the admin listener.
+    pub async fn version(&self) -> u64 {
+        get(&self.admin_url("/snapshot"), &[]).await.json()["version"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits until the node runs snapshot `version`.
+    pub async fn wait_version(&self, version: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.version().await != version {
+            assert!(Instant::now() < deadline, "node did not reach v{version}; log:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A response, fully read.
+#[derive(Debug)]
+pub struct Resp {
+    /// Status.
+    pub status: StatusCode,
+    /// Headers.
+    pub headers: HeaderMap,
+    /// Body.
+    pub body: Bytes,
+    /// HTTP version.
+    pub version: http::Version,
+}
+
+impl Resp {
+    /// The body as JSON (Null if it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// A header as a string.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// For echo answers: the value of a header the backend received.
+    pub fn echoed(&self, name: &str) -> Option<String> {
+        self.json()["headers"]
+            .as_array()?
+            .iter()
+            .find(|h| h[0].as_str() == Some(name))
+            .and_then(|h| h[1].as_str().map(str::to_owned))
+    }
+
+    /// For echo answers: which backend answered.
+    pub fn backend(&self) -> String {
+        self.json()["backend"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// An HTTP/1.1 client with pooled keep-alive connections.
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// An HTTP/2 (prior knowledge, h2c) client.
+pub fn h2c_client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).http2_only(true).build_http()
+}
+
+/// Sends a request with `client`.
+pub async fn send_with(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Resp, hyper_util::client::legacy::Error> {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(HeaderName::from_bytes(k.as_bytes()).expect("name"), HeaderValue::from_str(v).expect("value"));
+    }
+    let req = req.body(Full::new(body)).expect("request");
+    let resp = client.request(req).await?;
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    Ok(Resp { status: parts.status, headers: parts.headers, body, version: parts.version })
+}
+
+/// GET with a fresh client.
+pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
+    send_with(&client(), Method::GET, url, headers, Bytes::new()).await.expect("request failed")
+}
+
+/// Any method with a body, fresh client.
+pub async fn send(method: Method, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Resp {
+    send_with(&client(), method, url, headers, body.into()).await.expect("request failed")
+}
+
+/// Writes raw bytes on a new TCP connection and reads until the server closes it or
+/// `timeout` passes.
+pub async fn raw(port: u16, bytes: &[u8], timeout: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    let _ = s.write_all(bytes).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(timeout, s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The platform files every test repo needs: clusters and an ownership registry that
+/// gives team `t` every path.
+pub fn platform(repo: &Repo, clusters: &[(&str, &str)]) {
+    let mut text = String::from("clusters:\n");
+    for (name, addr) in clusters {
+        text.push_str(&format!("  {name}:\n    endpoints: [\"{addr}\"]\n"));
+    }
+    repo.write("platform/clusters.yaml", &text);
+    repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
+}

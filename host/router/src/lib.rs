@@ -246,16 +246,17 @@ fn visit(
     best: &mut Option<Best>,
     allowed: &mut MethodSet,
 ) {
-    if segs.len() == depth {
-        if let Some(route) = pick(&node.exact, method, headers, allowed) {
-            *best = Some(Best { route, depth, exact: true });
-            return;
-        }
+    if segs.len() == depth
+        && let Some(route) = pick(&node.exact, method, headers, allowed)
+    {
+        *best = Some(Best { route, depth, exact: true });
+        return;
     }
-    if !node.prefix.is_empty() && best.is_none_or(|b| !b.exact && b.depth < depth) {
-        if let Some(route) = pick(&node.prefix, method, headers, allowed) {
-            *best = Some(Best { route, depth, exact: false });
-        }
+    if !node.prefix.is_empty()
+        && best.is_none_or(|b| !b.exact && b.depth < depth)
+        && let Some(route) = pick(&node.prefix, method, headers, allowed)
+    {
+        *best = Some(Best { route, depth, exact: false });
     }
     let Some(seg) = segs.get(depth) else { return };
     if let Some(child) = node.literal.get(*seg) {
@@ -264,10 +265,10 @@ fn visit(
             return;
         }
     }
-    if let Some(child) = &node.param {
-        if !seg.is_empty() {
-            visit(child, segs, depth + 1, method, headers, best, allowed);
-        }
+    if let Some(child) = &node.param
+        && !seg.is_empty()
+    {
+        visit(child, segs, depth + 1, method, headers, best, allowed);
     }
 }
 
@@ -493,7 +494,7 @@ impl<T> RouterBuilder<T> {
             t.root.sort();
         }
         // Longest suffix first, so the most specific wildcard is tried first.
-        self.wildcard_hosts.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        self.wildcard_hosts.sort_by_key(|w| std::cmp::Reverse(w.0.len()));
         Router {
             exact_hosts: self.exact_hosts,
             wildcard_hosts: self.wildcard_hosts,
