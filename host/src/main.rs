@@ -13,10 +13,16 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.workers {
-        rt.worker_threads(n.max(1));
-    }
+    // One worker: a current-thread runtime, the leanest for a proxy pinned to one core.
+    let mut rt = match args.workers {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n.max(1));
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let rt = match rt.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
