@@ -501,3 +501,150 @@ fn postern_router_header_ok(h: &str) -> Result<(), ()> {
         Err(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PLATFORM_CLUSTERS: &str = "clusters:\n  a: { endpoints: [\"127.0.0.1:9001\"] }\n  mine: { endpoints: [\"127.0.0.1:9002\"], owner: t }\n  theirs: { endpoints: [\"127.0.0.1:9003\"], owner: u }\n";
+    const OWNERS: &str = "owners:\n  - { host: \"*\", pathPrefix: /t, team: t }\n  - { host: \"*\", pathPrefix: /u, team: u }\n  - { host: api.example.com, pathPrefix: /t/special, team: u }\n";
+
+    fn route(body: &str) -> String {
+        format!(
+            "routes:\n  - name: r\n    public: true\n    timeouts: {{ connect: 1s, response: 2s }}\n    backendRefs: [{{ name: a }}]\n{body}"
+        )
+    }
+
+    /// Compiles a repo with the standard platform files plus `teams/t/routes.yaml`.
+    fn compile_t(routes: &str) -> Result<Snapshot, Vec<String>> {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |rel: &str, text: &str| {
+            let p = dir.path().join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        w("platform/clusters.yaml", PLATFORM_CLUSTERS);
+        w("platform/ownership.yaml", OWNERS);
+        w("teams/t/routes.yaml", routes);
+        compile(dir.path()).map_err(|r| r.0.iter().map(ToString::to_string).collect())
+    }
+
+    fn error_of(routes: &str) -> String {
+        let errs = compile_t(routes).expect_err("should be refused");
+        assert_eq!(errs.len(), 1, "{errs:#?}");
+        errs.into_iter().next().unwrap()
+    }
+
+    #[test]
+    fn a_valid_route_compiles() {
+        let s = compile_t(&route("    match: { path: { type: Exact, value: \"/t/orders/{id}\" }, methods: [GET] }\n"))
+            .unwrap();
+        assert_eq!(s.routes.len(), 1);
+        assert_eq!(s.routes[0].id, "t/r");
+        assert_eq!(s.routes[0].timeouts, Timeouts { connect_ms: 1000, response_ms: 2000 });
+        assert_eq!(s.routes[0].max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    }
+
+    #[test]
+    fn unknown_fields_are_named_with_their_path() {
+        let e = error_of(&route("    match: { path: { value: /t }, method: GET }\n"));
+        assert!(e.starts_with("teams/t/routes.yaml: routes[0].match.method: unknown field `method`"), "{e}");
+    }
+
+    #[test]
+    fn prefixes_owned_by_another_team_are_refused() {
+        let e = error_of(&route("    match: { path: { value: /u/orders } }\n"));
+        assert_eq!(
+            e,
+            "teams/t/routes.yaml: routes[0].match.path.value: host * path /u/orders belongs to team u, not t (owner: t)"
+        );
+        // A host-specific claim beats the any-host claim.
+        let e = error_of(&route("    hostnames: [api.example.com]\n    match: { path: { value: /t/special/x } }\n"));
+        assert!(e.contains("host api.example.com path /t/special/x belongs to team u, not t"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /nobody } }\n"));
+        assert!(e.contains("is not registered to any team"), "{e}");
+    }
+
+    #[test]
+    fn equally_specific_routes_are_refused_naming_both() {
+        let text = "routes:\n  - name: one\n    public: true\n    match: { path: { type: Exact, value: \"/t/o/{id}\" }, methods: [GET] }\n    backendRefs: [{ name: a }]\n    timeouts: { connect: 1s, response: 2s }\n  - name: two\n    public: true\n    match: { path: { type: Exact, value: \"/t/o/{key}\" }, methods: [GET, PUT] }\n    backendRefs: [{ name: a }]\n    timeouts: { connect: 1s, response: 2s }\n";
+        let e = error_of(text);
+        assert!(
+            e.starts_with(
+                "teams/t/routes.yaml: routes[1].match: equally specific as route t/one (teams/t/routes.yaml: routes[0])"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn clusters_must_exist_and_belong_to_the_team() {
+        let text = route("    match: { path: { value: /t } }\n").replace("[{ name: a }]", "[{ name: nope }]");
+        assert!(error_of(&text).contains("routes[0].backendRefs[0].name: unknown cluster \"nope\""));
+        let text = route("    match: { path: { value: /t } }\n").replace("[{ name: a }]", "[{ name: theirs }]");
+        assert!(error_of(&text).contains("cluster \"theirs\" belongs to team u"));
+        let text =
+            route("    match: { path: { value: /t } }\n").replace("[{ name: a }]", "[{ name: mine, weight: 0 }]");
+        assert!(error_of(&text).contains("routes[0].backendRefs: weights add up to 0"));
+    }
+
+    #[test]
+    fn timeouts_are_required_and_capped() {
+        let text = route("    match: { path: { value: /t } }\n").replace("response: 2s", "response: 31s");
+        assert_eq!(
+            error_of(&text),
+            "teams/t/routes.yaml: routes[0].timeouts.response: 31s is over the platform maximum of 30s (owner: t)"
+        );
+        let text = route("    match: { path: { value: /t } }\n").replace("connect: 1s", "connect: soon");
+        assert!(error_of(&text).contains("routes[0].timeouts.connect: \"soon\" is not a duration"));
+        let text =
+            route("    match: { path: { value: /t } }\n").replace("    timeouts: { connect: 1s, response: 2s }\n", "");
+        assert!(error_of(&text).contains("missing field `timeouts`"));
+    }
+
+    #[test]
+    fn unbounded_or_malformed_patterns_are_refused() {
+        let long = format!("/t{}", "/x".repeat(40));
+        let e = error_of(&route(&format!("    match: {{ path: {{ value: \"{long}\" }} }}\n")));
+        assert!(e.contains("routes[0].match.path.value") && e.contains("more than 32 segments"), "{e}");
+        let e = error_of(&route("    match: { path: { value: \"/t/*\" } }\n"));
+        assert!(e.contains("only allowed as a whole {param} segment"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /t }, methods: [FETCH] }\n"));
+        assert!(e.contains("routes[0].match.methods: unsupported method \"FETCH\""), "{e}");
+        let e = error_of(&route("    hostnames: [\"Bad_Host\"]\n    match: { path: { value: /t } }\n"));
+        assert!(e.contains("routes[0].hostnames: invalid hostname"), "{e}");
+    }
+
+    #[test]
+    fn filters_rewrites_and_deprecations_are_checked() {
+        let e = error_of(&route(
+            "    match: { path: { value: /t } }\n    requestHeaders: { set: [{ name: x-auth-subject, value: root }] }\n",
+        ));
+        assert!(e.contains("routes[0].requestHeaders: set: header \"x-auth-subject\" is reserved"), "{e}");
+        let e = error_of(&route(
+            "    match: { path: { value: /t } }\n    rewrite: { replacePrefixMatch: /a, replaceFullPath: /b }\n",
+        ));
+        assert!(e.contains("routes[0].rewrite: give exactly one"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /t } }\n    rewrite: { replaceFullPath: \"/a/../b\" }\n"));
+        assert!(e.contains("dot segments"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /t } }\n    deprecation: { sunset: next-year }\n"));
+        assert!(e.contains("routes[0].deprecation.sunset: \"next-year\" is not an RFC 3339 date"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /t } }\n    maxBodyBytes: 2000000000\n"));
+        assert!(e.contains("routes[0].maxBodyBytes: over the platform maximum"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let one = route("    match: { path: { value: /t/a } }\n");
+        let two = one.replace("routes:\n", "").replace("/t/a", "/t/b");
+        let e = error_of(&format!("{one}{two}"));
+        assert!(e.contains("routes[1].name: route t/r is already defined at teams/t/routes.yaml: routes[0]"), "{e}");
+    }
+
+    #[test]
+    fn every_error_is_reported_at_once() {
+        let text = route("    match: { path: { value: /u } }\n").replace("response: 2s", "response: 1h");
+        let errs = compile_t(&text).unwrap_err();
+        assert_eq!(errs.len(), 2, "{errs:#?}");
+    }
+}

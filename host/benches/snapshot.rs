@@ -1,6 +1,7 @@
 //! Snapshot compile + swap of 5,000 routes on a node: read the file's bytes, check the
 //! hash, build every route (filters, clients, route table) and swap the pointer.
 //! Run: `cargo bench -p postern`.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use std::collections::BTreeMap;
 use std::hint::black_box;

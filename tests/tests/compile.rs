@@ -47,3 +47,23 @@ fn compile_errors_name_file_field_and_owner() {
     assert!(err.contains("at line 7 column 5 (owner: u)"), "{err}");
     assert_eq!(std::fs::read(&snap).unwrap(), before, "a rejected change must not touch the published snapshot");
 }
+
+#[test]
+fn the_example_config_compiles() {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/config");
+    let out = tempfile::tempdir().unwrap();
+    let snap = out.path().join("snapshot.json");
+    let o = std::process::Command::new(postern_e2e::bin("posternctl"))
+        .arg("compile")
+        .arg(&repo)
+        .arg("-o")
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&snap).unwrap()).unwrap();
+    let routes = v["content"]["routes"].as_array().unwrap();
+    let teams: std::collections::BTreeSet<&str> = routes.iter().filter_map(|r| r["team"].as_str()).collect();
+    assert!(routes.len() >= 8 && teams.len() >= 3, "{} routes, teams {teams:?}", routes.len());
+    assert!(routes.iter().any(|r| r["path"] == "/v1/echo" && r["pool"] == "public"));
+}

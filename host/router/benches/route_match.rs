@@ -1,5 +1,6 @@
 //! Route match at 5,000 routes (300 teams): the per-request lookup.
 //! Run: `cargo bench -p postern-router`.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use http::{HeaderMap, HeaderValue, Method};
