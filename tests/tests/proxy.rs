@@ -72,7 +72,7 @@ async fn identity_and_hop_by_hop_headers_are_stripped() {
             ("x-auth-subject", "admin"),
             ("x-auth-scopes", "everything"),
             ("X-Auth-Tenant", "other-tenant"),
-            ("connection", "keep-alive, x-auth-plan, x-secret-hop"),
+            ("connection", "keep-alive, x-auth-subject, x-auth-plan, x-secret-hop"),
             ("x-auth-plan", "enterprise"),
             ("x-secret-hop", "1"),
             ("x-forwarded-for", "6.6.6.6"),
