@@ -1,35 +1,46 @@
 # Postern: `make demo` runs the whole thing on this machine; `make test` runs every test.
 SHELL := /bin/bash
 CARGO ?= cargo
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
+GUESTS := examples/filters/Cargo.toml tests/filters/Cargo.toml
 
-.PHONY: setup build test lint unit demo bench bench-load clean
+.PHONY: setup build filters test demo bench bench-load clean
 
-# Toolchain pieces the build needs (idempotent). The Wasm target is for filters.
+# Toolchain pieces the build needs (idempotent): the Wasm target for filters.
 setup:
-	@command -v rustup >/dev/null && rustup target list --installed | grep -q wasm32-wasip2 \
-		|| rustup target add wasm32-wasip2 || true
+	@rustup target list --installed | grep -q '^wasm32-wasip2$$' || rustup target add wasm32-wasip2
 
 build: setup
 	$(CARGO) build --workspace --bins
 
-# The whole suite: formatting, lints, unit tests and end-to-end tests that start real
-# processes on 127.0.0.1 (the e2e tests need the binaries built first).
+# Wasm filters (examples and the hostile test filters) for wasm32-wasip2, and the
+# examples' native unit tests.
+filters: setup
+	for m in $(GUESTS); do \
+		$(CARGO) build --release --target wasm32-wasip2 --manifest-path $$m --target-dir $(TARGET_DIR)/filters || exit 1; \
+	done
+
+# The whole suite: formatting, lints, unit tests, filter tests, and end-to-end tests that
+# start real processes on 127.0.0.1 (they need the binaries and filters built first).
 test: setup
 	$(CARGO) fmt --all -- --check
+	for m in $(GUESTS) filter-sdk/guest/Cargo.toml; do $(CARGO) fmt --manifest-path $$m --all -- --check || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(MAKE) filters
+	$(CARGO) test --manifest-path examples/filters/Cargo.toml --target-dir $(TARGET_DIR)/filters-native
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 
-demo: setup
+demo: setup filters
 	$(CARGO) build --release --workspace --bins
 	bash examples/demo.sh target/release
 
-# Criterion micro-benchmarks (route match, snapshot build).
-bench:
-	$(CARGO) bench -p postern-router -p postern
+# Criterion micro-benchmarks (route match, snapshot build, filter calls).
+bench: filters
+	$(CARGO) bench -p postern-router -p postern -p postern-wasm
 
 # Load test against the peers (nginx, HAProxy, Caddy); needs their Debian packages.
-bench-load:
+bench-load: filters
 	bash bench/load.sh
 
 clean:

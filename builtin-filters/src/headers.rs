@@ -8,7 +8,9 @@
 use std::sync::Arc;
 
 use postern_filter_contract::http::{HeaderMap, HeaderName, HeaderValue};
-use postern_filter_contract::{ConfigError, Context, Filter, FilterFactory, Flow, RequestHead, ResponseHead};
+use postern_filter_contract::{
+    ConfigError, Context, Filter, FilterFactory, Flow, RequestHead, ResponseFlow, ResponseHead,
+};
 use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
@@ -106,8 +108,9 @@ impl Filter for RequestHeaders {
 struct ResponseHeaders(HeaderEdit);
 
 impl Filter for ResponseHeaders {
-    fn on_response(&self, resp: &mut ResponseHead, _cx: &Context) {
+    fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, _cx: &'a Context) -> ResponseFlow<'a> {
         self.0.apply(&mut resp.headers);
+        ResponseFlow::Done
     }
 }
 

@@ -64,6 +64,21 @@ impl std::error::Error for Rejected {}
 struct Ctx {
     root: PathBuf,
     diags: Vec<Diagnostic>,
+    review: Vec<crate::config::ApprovedDoc>,
+    runtime: Option<std::sync::Arc<postern_wasm::Runtime>>,
+    /// Module digest → file, for every module a route uses.
+    modules: BTreeMap<String, PathBuf>,
+    /// Module digest → validation result, so a module is checked once.
+    checked: HashMap<String, Result<(), String>>,
+}
+
+/// A compiled repository: the snapshot and the filter modules it references.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The snapshot.
+    pub snapshot: Snapshot,
+    /// Module digest (`sha256:<hex>`) → source file.
+    pub modules: BTreeMap<String, PathBuf>,
 }
 
 impl Ctx {
@@ -154,8 +169,21 @@ fn owner_of<'o>(owners: &'o [Owner], host: &str, path: &str) -> Option<&'o Owner
 }
 
 /// Compiles the repository at `root`.
-pub fn compile(root: &Path) -> Result<Snapshot, Rejected> {
-    let mut cx = Ctx { root: root.to_path_buf(), diags: Vec::new() };
+pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
+    let mut cx = Ctx {
+        root: root.to_path_buf(),
+        diags: Vec::new(),
+        review: Vec::new(),
+        runtime: None,
+        modules: BTreeMap::new(),
+        checked: HashMap::new(),
+    };
+    let review_path = root.join("platform/filters.yaml");
+    if review_path.exists()
+        && let Some(doc) = cx.load::<crate::config::ReviewDoc>(&review_path, None)
+    {
+        cx.review = doc.approved;
+    }
 
     let clusters_path = root.join("platform/clusters.yaml");
     let clusters: ClustersDoc = cx.load(&clusters_path, None).unwrap_or(ClustersDoc { clusters: BTreeMap::new() });
@@ -275,7 +303,10 @@ pub fn compile(root: &Path) -> Result<Snapshot, Rejected> {
     }
 
     if cx.diags.is_empty() {
-        Ok(Snapshot { schema: SCHEMA_VERSION, clusters: out_clusters, routes })
+        Ok(Compiled {
+            snapshot: Snapshot { schema: SCHEMA_VERSION, clusters: out_clusters, routes },
+            modules: cx.modules,
+        })
     } else {
         Err(Rejected(cx.diags))
     }
@@ -448,6 +479,13 @@ fn compile_route(
         }
     }
 
+    for (i, w) in r.wasm_filters.iter().enumerate() {
+        let field = format!("{field}.wasmFilters[{i}]");
+        if let Some(spec) = wasm_filter(cx, file, &field, team, w) {
+            filters.push(spec);
+        }
+    }
+
     let deprecation = r.deprecation.as_ref().map(|d| {
         let date = |sub: &str, v: &Option<String>, cx: &mut Ctx| {
             v.as_ref().and_then(|s| match parse_date(s) {
@@ -494,6 +532,85 @@ fn compile_route(
     })
 }
 
+/// Resolves a Wasm filter attachment: manifest, module, review, limits, and a check of
+/// the component itself in the real runtime (world, imports).
+fn wasm_filter(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    team: &str,
+    w: &crate::config::WasmAttachDoc,
+) -> Option<FilterSpec> {
+    let owner = Some(team);
+    if !valid_name(&w.name) {
+        cx.error(file, format!("{field}.name"), "filter names are lowercase letters, digits and '-'", owner);
+        return None;
+    }
+    let manifest_path = cx.root.join("teams").join(team).join("filters").join(format!("{}.yaml", w.name));
+    if !manifest_path.exists() {
+        let rel = manifest_path.strip_prefix(&cx.root).unwrap_or(&manifest_path).display().to_string();
+        cx.error(file, format!("{field}.name"), format!("no filter manifest {rel}"), owner);
+        return None;
+    }
+    let manifest: crate::config::FilterManifestDoc = cx.load(&manifest_path, owner)?;
+    let over = manifest.limits.over(&postern_wasm::Limits::MAXIMA);
+    if !over.is_empty() {
+        cx.error(&manifest_path, "limits", over.join("; "), owner);
+        return None;
+    }
+    let module_path = manifest_path.parent().unwrap_or(&cx.root).join(&manifest.module);
+    let bytes = match std::fs::read(&module_path) {
+        Ok(b) => b,
+        Err(e) => {
+            cx.error(&manifest_path, "module", format!("cannot read {}: {e}", module_path.display()), owner);
+            return None;
+        }
+    };
+    let digest = postern_wasm::digest(&bytes);
+    let approved = cx.review.iter().any(|a| a.digest == digest && a.team == team && a.filter == w.name);
+    if !approved {
+        cx.error(
+            &manifest_path,
+            "module",
+            format!("module {digest} of filter {} is not approved for team {team} in platform/filters.yaml", w.name),
+            owner,
+        );
+        return None;
+    }
+    if !cx.checked.contains_key(&digest) {
+        let result = match &cx.runtime {
+            Some(rt) => Ok(rt.clone()),
+            None => postern_wasm::Runtime::new(&postern_wasm::RuntimeConfig { max_instances: 8, ..Default::default() })
+                .inspect(|rt| cx.runtime = Some(rt.clone()))
+                .map_err(|e| format!("cannot start the Wasm runtime: {e:#}")),
+        }
+        .and_then(|rt| rt.load(&bytes, Some(&digest)).map(|_| ()).map_err(|e| e.to_string()));
+        cx.checked.insert(digest.clone(), result);
+    }
+    if let Some(Err(e)) = cx.checked.get(&digest) {
+        let e = e.clone();
+        cx.error(&manifest_path, "module", format!("module {digest}: {e}"), owner);
+        return None;
+    }
+    cx.modules.insert(digest.clone(), module_path);
+    let attachment = postern_wasm::Attachment {
+        name: w.name.clone(),
+        module: digest,
+        limits: manifest.limits,
+        failure: w.failure,
+        response_phase: w.response_phase,
+        config: w.config.clone(),
+        quarantine: Default::default(),
+    };
+    match serde_json::to_value(&attachment) {
+        Ok(config) => Some(FilterSpec { kind: "wasm".into(), config }),
+        Err(e) => {
+            cx.error(file, field, e.to_string(), owner);
+            None
+        }
+    }
+}
+
 fn postern_router_header_ok(h: &str) -> Result<(), ()> {
     if !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_') {
         Ok(())
@@ -526,7 +643,7 @@ mod tests {
         w("platform/clusters.yaml", PLATFORM_CLUSTERS);
         w("platform/ownership.yaml", OWNERS);
         w("teams/t/routes.yaml", routes);
-        compile(dir.path()).map_err(|r| r.0.iter().map(ToString::to_string).collect())
+        compile(dir.path()).map(|c| c.snapshot).map_err(|r| r.0.iter().map(ToString::to_string).collect())
     }
 
     fn error_of(routes: &str) -> String {

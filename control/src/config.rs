@@ -99,6 +99,61 @@ pub struct RouteDoc {
     /// Served without credentials.
     #[serde(default)]
     pub public: bool,
+    /// Wasm filters, run in order after the built-in ones.
+    #[serde(default)]
+    pub wasm_filters: Vec<WasmAttachDoc>,
+}
+
+/// A Wasm filter attached to a route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct WasmAttachDoc {
+    /// The filter's name: its manifest is `teams/<team>/filters/<name>.yaml`.
+    pub name: String,
+    /// The filter's own config (any YAML; handed to it as JSON).
+    #[serde(default)]
+    pub config: serde_json::Value,
+    /// `fail_closed` (default) or `fail_open`.
+    #[serde(default)]
+    pub failure: postern_wasm::FailurePolicy,
+    /// Also run the filter on the response head.
+    #[serde(default)]
+    pub response_phase: bool,
+}
+
+/// A filter manifest, `teams/<team>/filters/<name>.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterManifestDoc {
+    /// The component file, relative to the manifest.
+    pub module: String,
+    /// Limits (defaults where absent); each at most the platform maximum.
+    #[serde(default)]
+    pub limits: postern_wasm::Limits,
+}
+
+/// `platform/filters.yaml`: the review registry.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReviewDoc {
+    /// Approved module digests.
+    #[serde(default)]
+    pub approved: Vec<ApprovedDoc>,
+}
+
+/// One approved module.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovedDoc {
+    /// `sha256:<hex>` of the component.
+    pub digest: String,
+    /// Filter name.
+    pub filter: String,
+    /// Team allowed to attach it.
+    pub team: String,
+    /// Who reviewed it.
+    #[serde(default)]
+    pub reviewer: Option<String>,
 }
 
 fn default_pool() -> Pool {

@@ -40,14 +40,14 @@ fn main() -> ExitCode {
                 eprint!("{rejected}");
                 ExitCode::from(1)
             }
-            Ok(snapshot) => match posternctl::publish(&snapshot, &out, version) {
+            Ok(compiled) => match posternctl::publish(&compiled, &out, version) {
                 Ok(file) => {
                     println!(
                         "snapshot v{} {} with {} routes and {} clusters written to {}",
                         file.version,
                         file.hash,
-                        snapshot.routes.len(),
-                        snapshot.clusters.len(),
+                        compiled.snapshot.routes.len(),
+                        compiled.snapshot.clusters.len(),
                         out.display()
                     );
                     ExitCode::SUCCESS
@@ -63,8 +63,14 @@ fn main() -> ExitCode {
                 eprint!("{rejected}");
                 ExitCode::from(1)
             }
-            Ok(snapshot) => {
-                println!("ok: {} routes, {} clusters", snapshot.routes.len(), snapshot.clusters.len());
+            Ok(compiled) => {
+                let s = &compiled.snapshot;
+                println!(
+                    "ok: {} routes, {} clusters, {} filter modules",
+                    s.routes.len(),
+                    s.clusters.len(),
+                    compiled.modules.len()
+                );
                 ExitCode::SUCCESS
             }
         },

@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use postern_wasm::FilterStats;
+
 /// Upper bounds of the latency buckets, in microseconds.
 const BOUNDS_US: [u64; 18] = [
     50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000,
@@ -91,10 +93,14 @@ pub const PROBLEM_CODES: [&str; 12] = [
     "other",
 ];
 
+/// (route id, filter name).
+type FilterKey = (Arc<str>, String);
+
 /// All metrics of the process.
 #[derive(Debug, Default)]
 pub struct Metrics {
     routes: Mutex<BTreeMap<Arc<str>, Arc<RouteMetrics>>>,
+    filters: Mutex<BTreeMap<FilterKey, Arc<FilterStats>>>,
     /// Requests that matched no route.
     pub unrouted: RouteMetrics,
     problems: [AtomicU64; PROBLEM_CODES.len()],
@@ -114,6 +120,13 @@ impl Metrics {
     pub fn route(&self, id: &Arc<str>) -> Arc<RouteMetrics> {
         let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(id.clone()).or_default().clone()
+    }
+
+    /// The stats of Wasm filter `name` on route `id`, created on first use; called when a
+    /// snapshot is built.
+    pub fn filter(&self, id: &Arc<str>, name: &str) -> Arc<FilterStats> {
+        let mut map = self.filters.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry((id.clone(), name.to_owned())).or_default().clone()
     }
 
     /// Counts a response the gateway made itself.
@@ -163,6 +176,21 @@ impl Metrics {
         out.push_str("# TYPE postern_gateway_errors_total counter\n");
         for (code, c) in PROBLEM_CODES.iter().zip(&self.problems) {
             let _ = writeln!(out, "postern_gateway_errors_total{{code=\"{code}\"}} {}", c.load(Ordering::Relaxed));
+        }
+        let filters: Vec<(FilterKey, Arc<FilterStats>)> = {
+            let map = self.filters.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        if !filters.is_empty() {
+            out.push_str("# HELP postern_filter_calls_total Wasm filter calls by route, filter and outcome.\n");
+            out.push_str("# TYPE postern_filter_calls_total counter\n");
+            out.push_str("# HELP postern_filter_fuel Fuel used per Wasm filter call.\n");
+            out.push_str("# TYPE postern_filter_fuel histogram\n");
+            out.push_str("# HELP postern_filter_duration_seconds Wasm filter call time, instantiation included.\n");
+            out.push_str("# TYPE postern_filter_duration_seconds histogram\n");
+            for ((route, name), stats) in &filters {
+                stats.render(&mut out, &format!("route=\"{}\",filter=\"{}\"", escape(route), escape(name)));
+            }
         }
         let gauges = [
             ("postern_snapshot_version", "gauge", "Version of the running snapshot.", &self.snapshot_version),

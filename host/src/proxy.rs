@@ -14,7 +14,7 @@ use http::header::{CONTENT_LENGTH, HOST};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use postern_filter_contract::{Context, Flow, Problem};
+use postern_filter_contract::{Context, Flow, Problem, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
 
@@ -278,7 +278,9 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     headers::strip_hop_by_hop(&mut rp.headers);
     if let Some(cx) = &cx {
         for f in &route.filters {
-            f.on_response(&mut rp, cx);
+            if let ResponseFlow::Wait(fut) = f.on_response(&mut rp, cx) {
+                fut.await;
+            }
         }
     }
     for (k, v) in &route.response_headers {

@@ -54,6 +54,13 @@ pub struct Args {
     /// How often to check the snapshot file for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub watch_interval_ms: u64,
+    /// Directory of compiled Wasm filter code, keyed by module and engine version
+    /// (default: `wasm-cache` beside the snapshot file).
+    #[arg(long)]
+    pub wasm_cache: Option<PathBuf>,
+    /// Wasm filter instances that may run at once.
+    #[arg(long, default_value_t = 256)]
+    pub wasm_instances: u32,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -278,7 +285,14 @@ async fn shutdown_signal() {
 /// Runs the node until SIGTERM or Ctrl-C, then drains.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
-    let builder = Arc::new(Builder::new(metrics.clone()));
+    let snapshot_dir = args.snapshot.parent().map(Path::to_path_buf).unwrap_or_default();
+    let runtime = postern_wasm::Runtime::new(&postern_wasm::RuntimeConfig {
+        cache_dir: Some(args.wasm_cache.clone().unwrap_or_else(|| snapshot_dir.join("wasm-cache"))),
+        max_instances: args.wasm_instances.max(1),
+        maxima: postern_wasm::Limits::MAXIMA,
+    })
+    .context("cannot start the Wasm runtime")?;
+    let builder = Arc::new(Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules")));
     let bytes =
         std::fs::read(&args.snapshot).with_context(|| format!("cannot read snapshot {}", args.snapshot.display()))?;
     let live = builder.build_bytes(&bytes).with_context(|| format!("snapshot {} refused", args.snapshot.display()))?;

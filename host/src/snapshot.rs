@@ -6,6 +6,7 @@
 //! on it.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -156,6 +157,8 @@ impl Live {
 pub struct Builder {
     clients: Mutex<Clients>,
     metrics: Arc<Metrics>,
+    wasm: Option<Arc<postern_wasm::Runtime>>,
+    modules_dir: PathBuf,
 }
 
 fn bucket_table(weights: &[u32]) -> [u8; 100] {
@@ -180,9 +183,40 @@ fn http_date(unix: i64) -> Option<HeaderValue> {
 }
 
 impl Builder {
-    /// A builder that registers route metrics in `metrics`.
+    /// A builder that registers route metrics in `metrics`, without Wasm filters.
     pub fn new(metrics: Arc<Metrics>) -> Builder {
-        Builder { clients: Mutex::new(Clients::default()), metrics }
+        Builder { clients: Mutex::new(Clients::default()), metrics, wasm: None, modules_dir: PathBuf::new() }
+    }
+
+    /// A builder that also builds Wasm filters, reading their modules by digest from
+    /// `modules_dir` (`<hex>.wasm`, as `posternctl compile` writes them).
+    pub fn with_wasm(metrics: Arc<Metrics>, runtime: Arc<postern_wasm::Runtime>, modules_dir: PathBuf) -> Builder {
+        Builder { clients: Mutex::new(Clients::default()), metrics, wasm: Some(runtime), modules_dir }
+    }
+
+    fn wasm_filter(&self, route_id: &Arc<str>, config: &serde_json::Value) -> Result<Arc<dyn Filter>, String> {
+        let runtime = self.wasm.as_ref().ok_or("this node runs no Wasm runtime")?;
+        let attachment: postern_wasm::Attachment =
+            serde_json::from_value(config.clone()).map_err(|e| format!("wasm filter attachment: {e}"))?;
+        let over = attachment.limits.over(&runtime.maxima);
+        if !over.is_empty() {
+            return Err(format!("filter {}: {}", attachment.name, over.join("; ")));
+        }
+        let hex = attachment
+            .module
+            .strip_prefix("sha256:")
+            .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .ok_or_else(|| {
+                format!("filter {}: module {:?} is not a sha256 digest", attachment.name, attachment.module)
+            })?;
+        let path = self.modules_dir.join(format!("{hex}.wasm"));
+        let bytes = std::fs::read(&path)
+            .map_err(|e| format!("filter {}: cannot read {}: {e}", attachment.name, path.display()))?;
+        let module = runtime
+            .load(&bytes, Some(&attachment.module))
+            .map_err(|e| format!("filter {}: module {}: {e}", attachment.name, attachment.module))?;
+        let stats = self.metrics.filter(route_id, &attachment.name);
+        Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats)))
     }
 
     /// Reads, checks and builds a snapshot file's bytes.
@@ -214,6 +248,7 @@ impl Builder {
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         for r in &snapshot.routes {
             let err = |reason: String| BuildError::Route { route: r.id.clone(), reason };
+            let id: Arc<str> = Arc::from(r.id.as_str());
             let mut backends = Vec::with_capacity(r.backends.len());
             for b in &r.backends {
                 let u =
@@ -230,10 +265,13 @@ impl Builder {
             };
             let mut filters = Vec::with_capacity(r.filters.len());
             for f in &r.filters {
-                filters.push(
+                let built = if f.kind == "wasm" {
+                    self.wasm_filter(&id, &f.config).map_err(err)?
+                } else {
                     postern_builtin_filters::build(&f.kind, &f.config)
-                        .map_err(|e| err(format!("filter {}: {e}", f.kind)))?,
-                );
+                        .map_err(|e| err(format!("filter {}: {e}", f.kind)))?
+                };
+                filters.push(built);
             }
             let kind = match r.path_kind {
                 postern_model::PathMatchKind::Exact => PathKind::Exact,
@@ -263,7 +301,6 @@ impl Builder {
                     response_headers.push((http::header::LINK, v));
                 }
             }
-            let id: Arc<str> = Arc::from(r.id.as_str());
             let compiled = CompiledRoute {
                 metrics: self.metrics.route(&id),
                 seed: xxhash_rust::xxh3::xxh3_64(r.id.as_bytes()),

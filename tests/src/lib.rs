@@ -351,3 +351,82 @@ pub fn platform(repo: &Repo, clusters: &[(&str, &str)]) {
     repo.write("platform/clusters.yaml", &text);
     repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
 }
+
+/// A filter component built by `make filters` (`<target>/filters/wasm32-wasip2/release`).
+pub fn filter_wasm(crate_name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let target = exe.parent().and_then(Path::parent).and_then(Path::parent).expect("target dir");
+    let path = target.join("filters/wasm32-wasip2/release").join(format!("{}.wasm", crate_name.replace('-', "_")));
+    assert!(path.exists(), "{} not found: run `make filters` first (make test does)", path.display());
+    path
+}
+
+/// `sha256:<hex>` of a file.
+pub fn file_digest(path: &Path) -> String {
+    use sha2::Digest;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(std::fs::read(path).expect("read"))))
+}
+
+/// Adds a Wasm filter to `team`'s directory: the module, its manifest (with `limits`
+/// as YAML flow text, e.g. `{ fuel: 1000000 }`) and its approval in the review registry.
+pub fn add_filter(repo: &Repo, team: &str, name: &str, wasm: &Path, limits: &str) {
+    let dir = repo.path().join("teams").join(team).join("filters");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::copy(wasm, dir.join(format!("{name}.wasm"))).expect("copy module");
+    repo.write(&format!("teams/{team}/filters/{name}.yaml"), &format!("module: {name}.wasm\nlimits: {limits}\n"));
+    let reg = repo.path().join("platform/filters.yaml");
+    let mut text = std::fs::read_to_string(&reg).unwrap_or_else(|_| "approved:\n".to_owned());
+    text.push_str(&format!(
+        "  - {{ digest: \"{}\", filter: {name}, team: {team}, reviewer: platform }}\n",
+        file_digest(wasm)
+    ));
+    std::fs::write(reg, text).expect("write registry");
+}
+
+/// Copies `examples/config` to `dst`, puts the built example filter modules beside
+/// their manifests with their approvals (what `make demo` does), and points the demo
+/// clusters' fixed ports at `endpoints` (`127.0.0.1:9001` → `endpoints[0]`, ...).
+pub fn prepare_example_config(dst: &Path, endpoints: &[String]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/config");
+    copy_dir(&src, dst);
+    let teams = dst.join("teams");
+    let mut approvals = String::from("approved:\n");
+    for team in std::fs::read_dir(&teams).expect("teams") {
+        let team = team.expect("entry").path();
+        let Ok(manifests) = std::fs::read_dir(team.join("filters")) else { continue };
+        for m in manifests {
+            let m = m.expect("entry").path();
+            if m.extension().and_then(|e| e.to_str()) != Some("yaml") {
+                continue;
+            }
+            let name = m.file_stem().and_then(|s| s.to_str()).expect("name").to_owned();
+            let wasm = filter_wasm(&name);
+            std::fs::copy(&wasm, m.with_extension("wasm")).expect("copy module");
+            let team_name = team.file_name().and_then(|s| s.to_str()).expect("team");
+            approvals.push_str(&format!(
+                "  - {{ digest: \"{}\", filter: {name}, team: {team_name}, reviewer: demo }}\n",
+                file_digest(&wasm)
+            ));
+        }
+    }
+    std::fs::write(dst.join("platform/filters.yaml"), approvals).expect("write approvals");
+    let clusters = dst.join("platform/clusters.yaml");
+    let mut text = std::fs::read_to_string(&clusters).expect("clusters");
+    for (i, e) in endpoints.iter().enumerate() {
+        text = text.replace(&format!("127.0.0.1:{}", 9001 + i), e);
+    }
+    std::fs::write(clusters, text).expect("write clusters");
+}
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).expect("mkdir");
+    for e in std::fs::read_dir(src).expect("read_dir") {
+        let p = e.expect("entry").path();
+        let to = dst.join(p.file_name().expect("name"));
+        if p.is_dir() {
+            copy_dir(&p, &to);
+        } else {
+            std::fs::copy(&p, &to).expect("copy");
+        }
+    }
+}

@@ -50,8 +50,9 @@ fn compile_errors_name_file_field_and_owner() {
 
 #[test]
 fn the_example_config_compiles() {
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/config");
     let out = tempfile::tempdir().unwrap();
+    let repo = out.path().join("config");
+    postern_e2e::prepare_example_config(&repo, &[]);
     let snap = out.path().join("snapshot.json");
     let o = std::process::Command::new(postern_e2e::bin("posternctl"))
         .arg("compile")

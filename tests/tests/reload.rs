@@ -119,6 +119,11 @@ async fn bad_or_older_snapshots_are_refused_and_sighup_reloads() {
     let text = String::from_utf8(std::fs::read(&snap).unwrap()).unwrap();
     std::fs::write(&snap, text.replace("\"two\"", "\"evil\"")).unwrap();
     node.proc.signal(1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !node.log().contains("hash mismatch") {
+        assert!(std::time::Instant::now() < deadline, "tampered snapshot not refused:\n{}", node.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     std::fs::write(&snap, &text.as_bytes()[..text.len() / 2]).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     node.proc.signal(1);

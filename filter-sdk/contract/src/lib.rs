@@ -8,7 +8,8 @@
 //!   itself ([`Flow::Respond`]), or — for filters that need to await, like a Wasm sandbox
 //!   that yields on its deadline — return a future ([`Flow::Wait`]). Native filters answer
 //!   synchronously and allocate nothing.
-//! * [`Filter::on_response`] sees the response head before it streams to the client.
+//! * [`Filter::on_response`] sees the response head before it streams to the client
+//!   (and may also await, through [`ResponseFlow::Wait`]).
 //!
 //! This crate is a leaf: built-in filters and the Wasm adapter depend on it, the proxy
 //! composes them, and neither side depends on the other.
@@ -109,6 +110,23 @@ impl std::fmt::Debug for Flow<'_> {
     }
 }
 
+/// What a filter did with a response head.
+pub enum ResponseFlow<'a> {
+    /// Done (any changes are already made).
+    Done,
+    /// Await this future, which makes its changes.
+    Wait(Pin<Box<dyn Future<Output = ()> + Send + 'a>>),
+}
+
+impl std::fmt::Debug for ResponseFlow<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResponseFlow::Done => f.write_str("Done"),
+            ResponseFlow::Wait(_) => f.write_str("Wait(..)"),
+        }
+    }
+}
+
 /// A filter instance, built once per snapshot and shared by every request on its route.
 pub trait Filter: Send + Sync + 'static {
     /// Request phase: runs before the request is forwarded.
@@ -118,8 +136,9 @@ pub trait Filter: Send + Sync + 'static {
     }
 
     /// Response phase: runs on the response head before it streams to the client.
-    fn on_response(&self, resp: &mut ResponseHead, cx: &Context) {
+    fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {
         let _ = (resp, cx);
+        ResponseFlow::Done
     }
 }
 

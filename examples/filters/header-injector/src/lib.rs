@@ -1,0 +1,153 @@
+//! `header-injector`: sets and removes request headers, as its config says, and tags
+//! the response with `x-filter: header-injector`.
+//!
+//! Config (all keys optional; an empty config changes nothing but the tag):
+//!
+//! ```json
+//! {"set": {"x-team": "payments", "x-env": "prod"}, "remove": ["x-debug"]}
+//! ```
+//!
+//! A name may not be both set and removed. An invalid config fails every request
+//! with 500 `{"code":"filter_misconfigured"}` and an error log line, so the mistake
+//! is seen at once rather than half-applied.
+
+use std::collections::BTreeMap;
+
+use postern_filter_sdk::serde_json::json;
+use postern_filter_sdk::{Context, Decision, Filter, Request, ResponseEdits, ResponseHead, config, export_filter, log};
+use serde::Deserialize;
+
+/// The filter.
+pub struct HeaderInjector;
+
+/// The attachment's config.
+#[derive(Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Headers to set on the request (replacing any the client sent).
+    #[serde(default)]
+    pub set: BTreeMap<String, String>,
+    /// Headers to remove from the request.
+    #[serde(default)]
+    pub remove: Vec<String>,
+}
+
+/// An RFC 9110 token, lowercase as the gateway's header names are.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// A field value: no control characters but horizontal tab.
+fn valid_value(value: &str) -> bool {
+    value.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+}
+
+/// Parses and checks a config; empty means "nothing to change".
+pub fn parse_config(bytes: &[u8]) -> Result<Config, String> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Config::default());
+    }
+    let cfg: Config = postern_filter_sdk::serde_json::from_slice(bytes).map_err(|e| format!("invalid config: {e}"))?;
+    for (name, value) in &cfg.set {
+        if !valid_name(name) {
+            return Err(format!("invalid config: set: {name:?} is not a lowercase header name"));
+        }
+        if !valid_value(value) {
+            return Err(format!("invalid config: set: the value of {name:?} has control characters"));
+        }
+    }
+    for name in &cfg.remove {
+        if !valid_name(name) {
+            return Err(format!("invalid config: remove: {name:?} is not a lowercase header name"));
+        }
+        if cfg.set.contains_key(name) {
+            return Err(format!("invalid config: {name:?} is both set and removed"));
+        }
+    }
+    Ok(cfg)
+}
+
+impl Filter for HeaderInjector {
+    fn on_request(_req: &Request, _cx: &Context) -> Decision {
+        let cfg = match parse_config(&config()) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                log::error(e);
+                return Decision::respond(500).json(json!({"code": "filter_misconfigured"}));
+            }
+        };
+        let mut decision = Decision::forward();
+        for name in &cfg.remove {
+            decision = decision.remove_header(name);
+        }
+        for (name, value) in &cfg.set {
+            decision = decision.set_header(name, value);
+        }
+        decision
+    }
+
+    fn on_response(_resp: &ResponseHead, _cx: &Context) -> ResponseEdits {
+        ResponseEdits::new().set_header("x-filter", "header-injector")
+    }
+}
+
+export_filter!(HeaderInjector);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postern_filter_sdk::{Level, testing};
+
+    fn run() -> Decision {
+        let req = testing::request("GET", "/orders").header("x-debug", "1").header("x-team", "spoofed");
+        HeaderInjector::on_request(&req, &testing::context())
+    }
+
+    #[test]
+    fn sets_and_removes_headers() {
+        testing::set_config(r#"{"set": {"x-team": "payments", "x-env": "prod"}, "remove": ["x-debug"]}"#);
+        let d = run();
+        let e = d.edits().expect("forwarded");
+        assert_eq!(e.set_value_str("x-team"), Some("payments"));
+        assert_eq!(e.set_value_str("x-env"), Some("prod"));
+        assert!(e.is_removed("x-debug"));
+        assert!(e.append_headers.is_empty());
+        assert!(e.path.is_none());
+    }
+
+    #[test]
+    fn empty_config_changes_nothing() {
+        let d = run();
+        assert!(d.edits().expect("forwarded").is_empty());
+        testing::set_config("{}");
+        assert!(run().edits().expect("forwarded").is_empty());
+    }
+
+    #[test]
+    fn tags_the_response() {
+        let e = HeaderInjector::on_response(&testing::response(200), &testing::context());
+        assert_eq!(e.set_value_str("x-filter"), Some("header-injector"));
+    }
+
+    #[test]
+    fn invalid_config_fails_closed_and_logs() {
+        for bad in [
+            r#"{"set": {"x-a": 1}}"#,
+            r#"{"sett": {}}"#,
+            r#"{"set": {"X-Upper": "v"}}"#,
+            r#"{"set": {"bad name": "v"}}"#,
+            r#"{"set": {"x-a": "line\r\nbreak"}}"#,
+            r#"{"remove": [""]}"#,
+            r#"{"set": {"x-a": "v"}, "remove": ["x-a"]}"#,
+            "not json",
+        ] {
+            testing::reset();
+            testing::set_config(bad);
+            let d = run();
+            assert_eq!(d.status(), Some(500), "{bad}");
+            assert_eq!(d.reply().and_then(|r| r.body_json()), Some(json!({"code": "filter_misconfigured"})));
+            assert!(testing::logged(Level::Error, "invalid config"), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! # Postern filter SDK
+//!
+//! Write a Postern request filter in plain Rust, unit-test it natively with
+//! `cargo test`, and build it into a WebAssembly component with
+//! `cargo build --release --target wasm32-wasip2`.
+//!
+//! A filter is a type that implements [`Filter`] and is exported with
+//! [`export_filter!`]. The gateway runs every request in a fresh instance, so a
+//! filter keeps no state between requests: its functions take no `self`.
+//!
+//! ## A complete filter
+//!
+//! `Cargo.toml`:
+//!
+//! ```toml
+//! [package]
+//! name = "require-version"
+//! version = "0.1.0"
+//! edition = "2024"
+//!
+//! [lib]
+//! crate-type = ["cdylib", "rlib"]
+//!
+//! [dependencies]
+//! postern-filter-sdk = { path = "../../filter-sdk/guest" }
+//! serde = { version = "1", features = ["derive"] }
+//! ```
+//!
+//! `src/lib.rs`:
+//!
+//! ```
+//! use postern_filter_sdk::serde_json::json;
+//! use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter, log};
+//!
+//! /// Refuses requests without an `x-api-version` this route supports.
+//! pub struct RequireVersion;
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Config {
+//!     supported: Vec<String>,
+//! }
+//!
+//! impl Filter for RequireVersion {
+//!     fn on_request(req: &Request, cx: &Context) -> Decision {
+//!         let cfg: Config = match postern_filter_sdk::config_json() {
+//!             Ok(cfg) => cfg,
+//!             Err(e) => {
+//!                 log::error(e);
+//!                 return Decision::respond(500).json(json!({"code": "filter_misconfigured"}));
+//!             }
+//!         };
+//!         match req.header_str("x-api-version") {
+//!             Some(v) if cfg.supported.iter().any(|s| s == v) => {
+//!                 postern_filter_sdk::counter_add(&format!("version_{v}"), 1);
+//!                 Decision::forward().set_header("x-api-version", v)
+//!             }
+//!             _ => {
+//!                 log::info(format!("{}: unsupported version", cx.route_id));
+//!                 Decision::respond(400).json(json!({"code": "unsupported_version"}))
+//!             }
+//!         }
+//!     }
+//! }
+//!
+//! export_filter!(RequireVersion);
+//!
+//! // Its unit tests (in the crate: `#[cfg(test)] mod tests { ... }`).
+//! use postern_filter_sdk::testing;
+//!
+//! testing::set_config(r#"{"supported": ["2024-06-01"]}"#);
+//!
+//! let ok = testing::request("GET", "/orders").header("x-api-version", "2024-06-01");
+//! let d = RequireVersion::on_request(&ok, &testing::context());
+//! assert!(d.is_forward());
+//! assert_eq!(testing::counter("version_2024-06-01"), 1);
+//!
+//! let old = testing::request("GET", "/orders").header("x-api-version", "2019-01-01");
+//! let d = RequireVersion::on_request(&old, &testing::context());
+//! assert_eq!(d.status(), Some(400));
+//! assert_eq!(d.reply().unwrap().body_json(), Some(json!({"code": "unsupported_version"})));
+//! ```
+//!
+//! ## What a filter can do
+//!
+//! - Read the request head ([`Request`]), the verified caller ([`Identity`], in
+//!   [`Context`]) and, on routes that buffer small bodies, the body
+//!   ([`Filter::on_request_body`]).
+//! - Forward the request with edits ([`Decision::forward`]: set, append or remove
+//!   headers, change the path) or answer it itself ([`Decision::respond`]).
+//! - Edit the backend's response head ([`Filter::on_response`], [`ResponseEdits`]).
+//! - Call the gateway: [`log`], [`counter_add`], [`now_nanos`] (monotonic, not wall
+//!   time), [`config`] / [`config_json`].
+//!
+//! Nothing else is granted: no network, files, environment, wall clock or
+//! randomness. A filter that panics or exceeds its fuel, memory or time limit fails
+//! the request; a panic's message is logged at error level first.
+//!
+//! ## Testing natively
+//!
+//! On non-`wasm32` targets the host functions use the thread-local harness in
+//! [`testing`]: set the config, build requests and contexts, call your filter's
+//! functions, and read back the logs and counters. No gateway or Wasm runtime is
+//! involved. To run a filter in the real sandbox, see `docs/filters.md`.
+
+#![deny(missing_docs)]
+
+mod convert;
+mod decision;
+mod host;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing;
+mod types;
+
+pub use decision::{Decision, Reply, RequestEdits, ResponseEdits};
+pub use host::{Level, config, config_json, counter_add, log, now_nanos};
+pub use types::{Context, Fields, Identity, Request, ResponseHead};
+
+/// `serde_json`, re-exported for [`Decision::json`] and config parsing.
+pub use serde_json;
+
+/// The raw bindings generated from `wit/filter.wit` (world `filter`).
+///
+/// Filters normally never touch these: [`export_filter!`] converts between them and
+/// the SDK's types. The generated export macro is `bindings::export_wit!`.
+#[allow(missing_docs)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../../wit",
+        world: "filter",
+        pub_export_macro: true,
+        export_macro_name: "export_wit",
+        default_bindings_module: "postern_filter_sdk::bindings",
+    });
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::convert::{on_request, on_request_body, on_response};
+}
+
+/// A request filter.
+///
+/// Implement [`Filter::on_request`]; the other two phases default to "change
+/// nothing". There is no `self`: every request runs in a fresh instance, so there is
+/// no state to keep. Export the type with [`export_filter!`].
+pub trait Filter {
+    /// Request phase: runs on every request of the routes the filter is attached to.
+    fn on_request(req: &Request, cx: &Context) -> Decision;
+
+    /// Request body phase: runs only on routes that buffer small bodies, after
+    /// [`Filter::on_request`] forwarded the request.
+    fn on_request_body(req: &Request, body: &[u8], cx: &Context) -> Decision {
+        let _ = (req, body, cx);
+        Decision::forward()
+    }
+
+    /// Response phase: runs on the backend's response head.
+    fn on_response(resp: &ResponseHead, cx: &Context) -> ResponseEdits {
+        let _ = (resp, cx);
+        ResponseEdits::default()
+    }
+}
+
+/// Exports a [`Filter`] as the component's `on-request`, `on-request-body` and
+/// `on-response`.
+///
+/// `export_filter!(MyFilter);` implements the generated `bindings::Guest` trait for
+/// `MyFilter` (converting between the WIT types and the SDK's) and, on `wasm32`,
+/// exports it. Use it once per crate, with a type name (not a path) defined in the
+/// crate.
+#[macro_export]
+macro_rules! export_filter {
+    ($ty:ident) => {
+        impl $crate::bindings::Guest for $ty {
+            fn on_request(
+                req: $crate::bindings::Request,
+                cx: $crate::bindings::Context,
+            ) -> $crate::bindings::Decision {
+                $crate::__private::on_request::<$ty>(req, cx)
+            }
+
+            fn on_request_body(
+                req: $crate::bindings::Request,
+                body: ::std::vec::Vec<u8>,
+                cx: $crate::bindings::Context,
+            ) -> $crate::bindings::Decision {
+                $crate::__private::on_request_body::<$ty>(req, body, cx)
+            }
+
+            fn on_response(
+                resp: $crate::bindings::ResponseHead,
+                cx: $crate::bindings::Context,
+            ) -> $crate::bindings::ResponseEdits {
+                $crate::__private::on_response::<$ty>(resp, cx)
+            }
+        }
+
+        #[cfg(target_arch = "wasm32")]
+        $crate::bindings::export_wit!($ty with_types_in $crate::bindings);
+    };
+}
+
+// The tests use the native harness, so they run natively only.
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn header_lookup_is_case_insensitive_and_first_wins() {
+        let req = testing::request("GET", "/").header("X-Key", "one").header("x-key", "two").build();
+        assert_eq!(req.header("x-key"), Some(&b"one"[..]));
+        assert_eq!(req.header_str("X-KEY"), Some("one"));
+        assert_eq!(req.header_all("x-key").count(), 2);
+        assert!(req.header("missing").is_none());
+    }
+
+    #[test]
+    fn header_str_rejects_invalid_utf8() {
+        let req = testing::request("GET", "/").header("x-bin", [0xff, 0xfe]).build();
+        assert_eq!(req.header("x-bin"), Some(&[0xff, 0xfe][..]));
+        assert_eq!(req.header_str("x-bin"), None);
+    }
+
+    #[test]
+    fn forward_edits_follow_the_chain() {
+        let d = Decision::forward()
+            .set_header("X-A", "1")
+            .set_header("x-a", "2")
+            .append_header("x-b", "3")
+            .remove_header("x-b")
+            .remove_header("x-c")
+            .append_header("x-c", "4")
+            .path("/new?x=1");
+        let e = d.edits().unwrap();
+        assert_eq!(e.set_headers, vec![("x-a".into(), b"2".to_vec()), ("x-c".into(), b"4".to_vec())]);
+        assert!(e.append_headers.is_empty());
+        assert_eq!(e.remove_headers, vec!["x-b".to_owned()]);
+        assert_eq!(e.path.as_deref(), Some("/new?x=1"));
+    }
+
+    #[test]
+    fn respond_builds_a_reply() {
+        let d =
+            Decision::respond(401).header("www-authenticate", "Signature").json(json!({"code": "invalid_signature"}));
+        let r = d.reply().unwrap();
+        assert_eq!(r.status, 401);
+        assert_eq!(r.header_str("content-type"), Some("application/json"));
+        assert_eq!(r.header_str("www-authenticate"), Some("Signature"));
+        assert_eq!(r.body, br#"{"code":"invalid_signature"}"#);
+        assert!(!d.is_forward());
+    }
+
+    #[test]
+    fn reply_set_header_replaces() {
+        let d = Decision::respond(200)
+            .header("x-a", "1")
+            .header("x-a", "2")
+            .set_header("X-A", "3")
+            .remove_header("x-none")
+            .body("hi");
+        let r = d.reply().unwrap();
+        assert_eq!(r.headers, vec![("x-a".into(), b"3".to_vec())]);
+        assert_eq!(r.body, b"hi");
+    }
+
+    #[test]
+    fn response_edits_builders() {
+        let e =
+            ResponseEdits::new().set_header("X-Filter", "a").append_header("vary", "x-tenant").remove_header("Server");
+        assert_eq!(e.set_value_str("x-filter"), Some("a"));
+        assert_eq!(e.append_headers, vec![("vary".into(), b"x-tenant".to_vec())]);
+        assert!(e.is_removed("server"));
+        assert!(ResponseEdits::default().is_empty());
+    }
+
+    #[test]
+    fn host_functions_use_the_harness() {
+        testing::set_config(r#"{"n": 3}"#);
+        log::info("hello");
+        log::error("bad");
+        counter_add("hits", 2);
+        counter_add("hits", 3);
+        testing::set_now_nanos(42);
+
+        #[derive(serde::Deserialize)]
+        struct Cfg {
+            n: u32,
+        }
+        let cfg: Cfg = config_json().unwrap();
+        assert_eq!(cfg.n, 3);
+        assert_eq!(testing::logs(), vec![(Level::Info, "hello".to_owned()), (Level::Error, "bad".to_owned())]);
+        assert!(testing::logged(Level::Error, "ba"));
+        assert_eq!(testing::counter("hits"), 5);
+        assert_eq!(testing::counters().len(), 1);
+        assert_eq!(now_nanos(), 42);
+
+        testing::reset();
+        assert!(testing::logs().is_empty());
+        assert!(config().is_empty());
+        assert_eq!(config_json::<serde_json::Value>(), Err("no config".to_owned()));
+    }
+
+    #[test]
+    fn bad_config_says_why() {
+        testing::set_config("{");
+        let err = config_json::<serde_json::Value>().unwrap_err();
+        assert!(err.starts_with("invalid config"), "{err}");
+    }
+
+    struct Echo;
+    impl Filter for Echo {
+        fn on_request(req: &Request, cx: &Context) -> Decision {
+            Decision::forward().set_header("x-path", &req.path).set_header("x-tenant", cx.tenant().unwrap_or("-"))
+        }
+    }
+    export_filter!(Echo);
+
+    #[test]
+    fn export_filter_converts_wit_types() {
+        use crate::bindings::postern::filter::types as wit;
+        let req = wit::Request {
+            method: "GET".into(),
+            path: "/p".into(),
+            query: None,
+            authority: Some("api.example".into()),
+            headers: vec![("x-a".into(), b"1".to_vec())],
+        };
+        let cx = wit::Context {
+            route_id: "t/r".into(),
+            request_id: "id".into(),
+            identity: Some(wit::Identity {
+                subject: None,
+                client_id: None,
+                tenant: Some("acme".into()),
+                key_id: None,
+                plan: None,
+                scopes: vec![],
+            }),
+        };
+        let d = <Echo as bindings::Guest>::on_request(req.clone(), cx.clone());
+        let wit::Decision::Continue(e) = d else {
+            panic!("expected continue");
+        };
+        assert!(e.set_headers.contains(&("x-path".into(), b"/p".to_vec())));
+        assert!(e.set_headers.contains(&("x-tenant".into(), b"acme".to_vec())));
+
+        let d = <Echo as bindings::Guest>::on_request_body(req, b"body".to_vec(), cx.clone());
+        assert!(matches!(d, wit::Decision::Continue(e) if e.set_headers.is_empty()));
+        let e = <Echo as bindings::Guest>::on_response(wit::ResponseHead { status: 200, headers: vec![] }, cx);
+        assert!(e.set_headers.is_empty() && e.remove_headers.is_empty());
+    }
+}

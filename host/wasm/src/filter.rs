@@ -1,0 +1,372 @@
+//! A Wasm filter attached to a route, as a [`Filter`] on the filter contract: each
+//! request runs in a fresh sandbox; failures follow the attachment's policy; a filter that
+//! keeps failing is quarantined on its route.
+
+// `Reply` is the contract's answer type; boxing it would only move the allocation.
+#![allow(clippy::result_large_err)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::HOST;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
+use postern_filter_contract::{Context, Filter, Flow, Problem, Reply, RequestHead, ResponseFlow, ResponseHead};
+use serde::{Deserialize, Serialize};
+
+use crate::limits::Limits;
+use crate::runtime::{Module, Runtime, types};
+use crate::stats::{FilterStats, Outcome};
+
+/// What happens to the request when the filter fails.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePolicy {
+    /// Answer 503 `filter_failed`; nothing is forwarded.
+    #[default]
+    FailClosed,
+    /// Skip the filter (counted) and go on.
+    FailOpen,
+}
+
+/// Quarantine thresholds: within one window of `window_secs`, at least `min_calls`
+/// calls of which `failure_percent` or more failed put the filter aside for
+/// `quarantine_secs` on this route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuarantinePolicy {
+    /// Window length.
+    pub window_secs: u64,
+    /// Calls needed in a window before judging.
+    pub min_calls: u64,
+    /// Failure rate that quarantines.
+    pub failure_percent: u64,
+    /// How long the quarantine lasts.
+    pub quarantine_secs: u64,
+}
+
+impl Default for QuarantinePolicy {
+    fn default() -> Self {
+        QuarantinePolicy { window_secs: 10, min_calls: 20, failure_percent: 50, quarantine_secs: 30 }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Quarantine {
+    window: AtomicU64,
+    calls: AtomicU64,
+    failures: AtomicU64,
+    until_ms: AtomicU64,
+}
+
+fn now_ms() -> u64 {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    u64::try_from(ORIGIN.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// How a route attaches a Wasm filter (the `config` of a `wasm` filter spec).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Attachment {
+    /// The filter's name, for logs and metrics.
+    pub name: String,
+    /// Module digest, `sha256:<hex>`.
+    pub module: String,
+    /// Limits (already capped by the platform maxima when compiled).
+    #[serde(default)]
+    pub limits: Limits,
+    /// Failure policy.
+    #[serde(default)]
+    pub failure: FailurePolicy,
+    /// Run the response phase too.
+    #[serde(default)]
+    pub response_phase: bool,
+    /// The filter's own config, handed to it through the `config` host call.
+    #[serde(default)]
+    pub config: serde_json::Value,
+    /// Quarantine thresholds.
+    #[serde(default)]
+    pub quarantine: QuarantinePolicy,
+}
+
+/// A built Wasm filter for one route.
+pub struct WasmFilter {
+    runtime: Arc<Runtime>,
+    module: Arc<Module>,
+    attachment: Attachment,
+    config: Arc<[u8]>,
+    tag: Arc<str>,
+    stats: Arc<FilterStats>,
+    quarantine: Quarantine,
+}
+
+impl std::fmt::Debug for WasmFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmFilter").field("tag", &self.tag).finish_non_exhaustive()
+    }
+}
+
+impl WasmFilter {
+    /// Builds the filter of `attachment` on `route_id`.
+    pub fn new(
+        runtime: Arc<Runtime>,
+        module: Arc<Module>,
+        attachment: Attachment,
+        route_id: &str,
+        stats: Arc<FilterStats>,
+    ) -> WasmFilter {
+        let config: Arc<[u8]> = match &attachment.config {
+            serde_json::Value::Null => Arc::from(&b""[..]),
+            v => Arc::from(serde_json::to_vec(v).unwrap_or_default()),
+        };
+        let tag: Arc<str> = Arc::from(format!("{}@{}", attachment.name, route_id));
+        WasmFilter { runtime, module, attachment, config, tag, stats, quarantine: Quarantine::default() }
+    }
+
+    fn quarantined(&self) -> bool {
+        self.quarantine.until_ms.load(Ordering::Relaxed) > now_ms()
+    }
+
+    fn judge(&self, failed: bool) {
+        let p = &self.attachment.quarantine;
+        let window = now_ms() / (p.window_secs.max(1) * 1000);
+        if self.quarantine.window.swap(window, Ordering::Relaxed) != window {
+            self.quarantine.calls.store(0, Ordering::Relaxed);
+            self.quarantine.failures.store(0, Ordering::Relaxed);
+        }
+        let calls = self.quarantine.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let failures = self.quarantine.failures.fetch_add(u64::from(failed), Ordering::Relaxed) + u64::from(failed);
+        if failed && calls >= p.min_calls && failures * 100 >= calls * p.failure_percent {
+            self.quarantine.until_ms.store(now_ms() + p.quarantine_secs * 1000, Ordering::Relaxed);
+            self.quarantine.calls.store(0, Ordering::Relaxed);
+            self.quarantine.failures.store(0, Ordering::Relaxed);
+            self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                filter = &*self.tag,
+                failures,
+                calls,
+                quarantine_secs = p.quarantine_secs,
+                "filter quarantined on this route: it failed too often"
+            );
+        }
+    }
+
+    /// The failure answer under this attachment's policy.
+    fn fail(&self, outcome: Outcome) -> Result<(), Reply> {
+        match self.attachment.failure {
+            FailurePolicy::FailOpen => Ok(()),
+            FailurePolicy::FailClosed => Err(Reply::Problem(Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "filter_failed",
+                format!("filter {} failed: {}", self.attachment.name, outcome.as_str()),
+            ))),
+        }
+    }
+
+    fn context(cx: &Context) -> types::Context {
+        types::Context {
+            route_id: cx.route_id.to_string(),
+            request_id: cx.request_id.to_str().unwrap_or_default().to_owned(),
+            identity: None,
+        }
+    }
+
+    async fn request(&self, req: &mut RequestHead, cx: &Context) -> Result<(), Reply> {
+        if self.quarantined() {
+            self.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
+            return self.fail(Outcome::Quarantined);
+        }
+        let wit_req = types::Request {
+            method: req.method.as_str().to_owned(),
+            path: req.uri.path().to_owned(),
+            query: req.uri.query().map(str::to_owned),
+            authority: req
+                .uri
+                .authority()
+                .map(|a| a.as_str().to_owned())
+                .or_else(|| req.headers.get(HOST).and_then(|h| h.to_str().ok()).map(str::to_owned)),
+            headers: fields(&req.headers),
+        };
+        let call = self
+            .runtime
+            .on_request(
+                &self.module,
+                &self.attachment.limits,
+                self.config.clone(),
+                self.stats.clone(),
+                self.tag.clone(),
+                wit_req,
+                Self::context(cx),
+            )
+            .await;
+        let outcome = match call.result {
+            Err(o) => Err(o),
+            Ok(types::Decision::Continue(edits)) => {
+                apply_request_edits(req, edits, &self.attachment.limits).map(|()| None)
+            }
+            Ok(types::Decision::Respond(reply)) => make_reply(reply, &self.attachment.limits).map(Some),
+        };
+        match outcome {
+            Ok(reply) => {
+                self.stats.record(Outcome::Ok, call.fuel, call.took);
+                self.judge(false);
+                match reply {
+                    Some(r) => Err(r),
+                    None => Ok(()),
+                }
+            }
+            Err(kind) => {
+                self.stats.record(kind, call.fuel, call.took);
+                self.judge(true);
+                tracing::debug!(filter = &*self.tag, outcome = kind.as_str(), "filter failed");
+                self.fail(kind)
+            }
+        }
+    }
+
+    async fn response(&self, resp: &mut ResponseHead, cx: &Context) {
+        if self.quarantined() {
+            return;
+        }
+        let head = types::ResponseHead { status: resp.status.as_u16(), headers: fields(&resp.headers) };
+        let call = self
+            .runtime
+            .on_response(
+                &self.module,
+                &self.attachment.limits,
+                self.config.clone(),
+                self.stats.clone(),
+                self.tag.clone(),
+                head,
+                Self::context(cx),
+            )
+            .await;
+        let result = call.result.and_then(|edits| {
+            let limits = &self.attachment.limits;
+            check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
+            let mut scratch = resp.headers.clone();
+            apply_headers(&mut scratch, &edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
+            resp.headers = scratch;
+            Ok(())
+        });
+        match result {
+            Ok(()) => self.stats.record(Outcome::Ok, call.fuel, call.took),
+            Err(kind) => {
+                // The response is already on its way; a failing response phase leaves it as it was.
+                self.stats.record(kind, call.fuel, call.took);
+                self.judge(true);
+            }
+        }
+    }
+}
+
+fn fields(h: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    h.iter().map(|(k, v)| (k.as_str().to_owned(), v.as_bytes().to_vec())).collect()
+}
+
+fn check_sizes(
+    set: &[(String, Vec<u8>)],
+    append: &[(String, Vec<u8>)],
+    remove: &[String],
+    limits: &Limits,
+) -> Result<(), Outcome> {
+    let count = set.len() + append.len() + remove.len();
+    let bytes: usize = set.iter().chain(append).map(|(k, v)| k.len() + v.len()).sum::<usize>()
+        + remove.iter().map(String::len).sum::<usize>();
+    if count > limits.max_headers || bytes > limits.max_header_bytes {
+        return Err(Outcome::BadOutput);
+    }
+    Ok(())
+}
+
+/// Gateway-owned headers a filter may not set or remove.
+fn reserved(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    n.starts_with("x-auth-")
+        || matches!(
+            n,
+            "host"
+                | "content-length"
+                | "transfer-encoding"
+                | "connection"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "x-request-id"
+        )
+}
+
+fn apply_headers(
+    h: &mut HeaderMap,
+    set: &[(String, Vec<u8>)],
+    append: &[(String, Vec<u8>)],
+    remove: &[String],
+) -> Result<(), Outcome> {
+    let parse = |k: &str, v: &[u8]| -> Result<(HeaderName, HeaderValue), Outcome> {
+        let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
+        if reserved(&n) {
+            return Err(Outcome::BadOutput);
+        }
+        Ok((n, HeaderValue::from_bytes(v).map_err(|_| Outcome::BadOutput)?))
+    };
+    for k in remove {
+        let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
+        if reserved(&n) {
+            return Err(Outcome::BadOutput);
+        }
+        h.remove(n);
+    }
+    for (k, v) in set {
+        let (n, v) = parse(k, v)?;
+        h.insert(n, v);
+    }
+    for (k, v) in append {
+        let (n, v) = parse(k, v)?;
+        h.append(n, v);
+    }
+    Ok(())
+}
+
+fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits, limits: &Limits) -> Result<(), Outcome> {
+    check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
+    // Validate everything before changing anything.
+    let mut headers = req.headers.clone();
+    apply_headers(&mut headers, &edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
+    if let Some(p) = edits.path {
+        if !p.starts_with('/') || p.len() > 8192 {
+            return Err(Outcome::BadOutput);
+        }
+        let pq = PathAndQuery::from_maybe_shared(Bytes::from(p)).map_err(|_| Outcome::BadOutput)?;
+        let mut parts = req.uri.clone().into_parts();
+        parts.path_and_query = Some(pq);
+        req.uri = Uri::from_parts(parts).map_err(|_| Outcome::BadOutput)?;
+    }
+    req.headers = headers;
+    Ok(())
+}
+
+fn make_reply(reply: types::Reply, limits: &Limits) -> Result<Reply, Outcome> {
+    let status = StatusCode::from_u16(reply.status).map_err(|_| Outcome::BadOutput)?;
+    if !(200..=599).contains(&reply.status) || reply.body.len() > limits.max_body_bytes {
+        return Err(Outcome::BadOutput);
+    }
+    check_sizes(&reply.headers, &[], &[], limits)?;
+    let mut headers = HeaderMap::new();
+    apply_headers(&mut headers, &[], &reply.headers, &[])?;
+    Ok(Reply::Custom { status, headers, body: Bytes::from(reply.body) })
+}
+
+impl Filter for WasmFilter {
+    fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
+        Flow::Wait(Box::pin(self.request(req, cx)))
+    }
+
+    fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {
+        if !self.attachment.response_phase {
+            return ResponseFlow::Done;
+        }
+        ResponseFlow::Wait(Box::pin(self.response(resp, cx)))
+    }
+}

@@ -1,0 +1,162 @@
+//! What each filter costs, per route: invocations, outcomes by kind, fuel and time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// How a filter call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Returned a decision within every limit.
+    Ok,
+    /// Ran out of fuel.
+    Fuel,
+    /// Passed its wall-clock deadline.
+    Deadline,
+    /// Asked for more linear memory (or tables, instances) than allowed.
+    Memory,
+    /// Overflowed its stack (native stack, or a Rust guest's shadow stack, which shows
+    /// as an out-of-bounds memory access).
+    Stack,
+    /// A Rust panic (the guest wrote a panic message, then aborted).
+    Panic,
+    /// Any other trap (`unreachable`, division by zero, ...).
+    Trap,
+    /// Returned something outside its limits or malformed (headers, status, path).
+    BadOutput,
+    /// Called the host more often than allowed.
+    HostCalls,
+    /// Could not be instantiated.
+    Instantiate,
+    /// Skipped without running: the filter is quarantined on this route.
+    Quarantined,
+}
+
+impl Outcome {
+    /// Every outcome, in the order metrics list them.
+    pub const ALL: [Outcome; 11] = [
+        Outcome::Ok,
+        Outcome::Fuel,
+        Outcome::Deadline,
+        Outcome::Memory,
+        Outcome::Stack,
+        Outcome::Panic,
+        Outcome::Trap,
+        Outcome::BadOutput,
+        Outcome::HostCalls,
+        Outcome::Instantiate,
+        Outcome::Quarantined,
+    ];
+
+    /// Label used in metrics and problem details.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Fuel => "fuel_exhausted",
+            Outcome::Deadline => "deadline_exceeded",
+            Outcome::Memory => "memory_limit",
+            Outcome::Stack => "stack_overflow",
+            Outcome::Panic => "guest_panic",
+            Outcome::Trap => "trap",
+            Outcome::BadOutput => "bad_output",
+            Outcome::HostCalls => "host_call_limit",
+            Outcome::Instantiate => "instantiate_failed",
+            Outcome::Quarantined => "quarantined",
+        }
+    }
+
+    fn index(self) -> usize {
+        Outcome::ALL.iter().position(|o| *o == self).unwrap_or(0)
+    }
+}
+
+const FUEL_BOUNDS: [u64; 8] = [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000, 1_000_000_000, u64::MAX];
+const TIME_BOUNDS_US: [u64; 10] = [5, 10, 25, 50, 100, 250, 1_000, 5_000, 50_000, u64::MAX];
+
+/// Counters of one filter on one route.
+#[derive(Debug, Default)]
+pub struct FilterStats {
+    outcomes: [AtomicU64; Outcome::ALL.len()],
+    fuel: [AtomicU64; FUEL_BOUNDS.len()],
+    fuel_sum: AtomicU64,
+    time: [AtomicU64; TIME_BOUNDS_US.len()],
+    time_sum_us: AtomicU64,
+    /// Times the filter was quarantined on this route.
+    pub quarantines: AtomicU64,
+    counters: Mutex<BTreeMap<String, u64>>,
+}
+
+impl FilterStats {
+    /// Records one call.
+    pub fn record(&self, outcome: Outcome, fuel: u64, took: Duration) {
+        if let Some(c) = self.outcomes.get(outcome.index()) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        if outcome == Outcome::Quarantined {
+            return;
+        }
+        let i = FUEL_BOUNDS.partition_point(|&b| b < fuel);
+        if let Some(b) = self.fuel.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.fuel_sum.fetch_add(fuel, Ordering::Relaxed);
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let i = TIME_BOUNDS_US.partition_point(|&b| b < us);
+        if let Some(b) = self.time.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.time_sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// Calls that ended with `outcome`.
+    pub fn count(&self, outcome: Outcome) -> u64 {
+        self.outcomes.get(outcome.index()).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Adds to a filter-defined counter (the `counter-add` host call). Names are capped
+    /// by the caller.
+    pub fn counter_add(&self, name: &str, delta: u64) {
+        let mut m = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = m.get_mut(name) {
+            *v = v.saturating_add(delta);
+        } else if m.len() < 64 {
+            m.insert(name.to_owned(), delta);
+        }
+    }
+
+    /// Prometheus text for this filter; `labels` is `route="..",filter=".."`.
+    pub fn render(&self, out: &mut String, labels: &str) {
+        for o in Outcome::ALL {
+            let n = self.count(o);
+            if n > 0 || o == Outcome::Ok {
+                let _ = writeln!(out, "postern_filter_calls_total{{{labels},outcome=\"{}\"}} {n}", o.as_str());
+            }
+        }
+        let mut cum = 0;
+        for (b, c) in FUEL_BOUNDS.iter().zip(&self.fuel) {
+            cum += c.load(Ordering::Relaxed);
+            let le = if *b == u64::MAX { "+Inf".to_owned() } else { b.to_string() };
+            let _ = writeln!(out, "postern_filter_fuel_bucket{{{labels},le=\"{le}\"}} {cum}");
+        }
+        let _ = writeln!(out, "postern_filter_fuel_sum{{{labels}}} {}", self.fuel_sum.load(Ordering::Relaxed));
+        let _ = writeln!(out, "postern_filter_fuel_count{{{labels}}} {cum}");
+        let mut cum = 0;
+        for (b, c) in TIME_BOUNDS_US.iter().zip(&self.time) {
+            cum += c.load(Ordering::Relaxed);
+            let le = if *b == u64::MAX { "+Inf".to_owned() } else { (*b as f64 / 1e6).to_string() };
+            let _ = writeln!(out, "postern_filter_duration_seconds_bucket{{{labels},le=\"{le}\"}} {cum}");
+        }
+        let secs = self.time_sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "postern_filter_duration_seconds_sum{{{labels}}} {secs}");
+        let _ = writeln!(out, "postern_filter_duration_seconds_count{{{labels}}} {cum}");
+        let _ =
+            writeln!(out, "postern_filter_quarantines_total{{{labels}}} {}", self.quarantines.load(Ordering::Relaxed));
+        let m = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, v) in m.iter() {
+            let name: String = name.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            let _ = writeln!(out, "postern_filter_counter_total{{{labels},name=\"{name}\"}} {v}");
+        }
+    }
+}
