@@ -438,6 +438,9 @@ fn compile_route(
     if max_body_bytes > MAX_BODY_LIMIT {
         cx.error(file, format!("{field}.maxBodyBytes"), "over the platform maximum of 1 GiB", owner);
     }
+    if r.buffer_body && max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
+        cx.error(file, format!("{field}.bufferBody"), "a buffered body needs maxBodyBytes of at most 1 MiB", owner);
+    }
 
     let rewrite = match &r.rewrite {
         None => None,
@@ -529,6 +532,7 @@ fn compile_route(
         filters,
         deprecation,
         public: r.public,
+        buffer_body: r.buffer_body,
     })
 }
 
@@ -748,6 +752,14 @@ mod tests {
         assert!(e.contains("routes[0].deprecation.sunset: \"next-year\" is not an RFC 3339 date"), "{e}");
         let e = error_of(&route("    match: { path: { value: /t } }\n    maxBodyBytes: 2000000000\n"));
         assert!(e.contains("routes[0].maxBodyBytes: over the platform maximum"), "{e}");
+        let e =
+            error_of(&route("    match: { path: { value: /t } }\n    maxBodyBytes: 2000000\n    bufferBody: true\n"));
+        assert!(e.contains("routes[0].bufferBody: a buffered body needs maxBodyBytes of at most 1 MiB"), "{e}");
+        let e = error_of(&route("    match: { path: { value: /t } }\n    wasmFilters: [{ name: nothing-here }]\n"));
+        assert!(
+            e.contains("routes[0].wasmFilters[0].name: no filter manifest teams/t/filters/nothing-here.yaml"),
+            "{e}"
+        );
     }
 
     #[test]

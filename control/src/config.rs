@@ -99,6 +99,9 @@ pub struct RouteDoc {
     /// Served without credentials.
     #[serde(default)]
     pub public: bool,
+    /// Buffer the request body (maxBodyBytes at most 1 MiB) so filters see it.
+    #[serde(default)]
+    pub buffer_body: bool,
     /// Wasm filters, run in order after the built-in ones.
     #[serde(default)]
     pub wasm_filters: Vec<WasmAttachDoc>,

@@ -4,6 +4,7 @@
 
 pub mod compile;
 pub mod config;
+pub mod filter_run;
 
 use std::path::Path;
 

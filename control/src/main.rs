@@ -30,6 +30,57 @@ enum Command {
         /// The config repository.
         repo: PathBuf,
     },
+    /// Work with Wasm filters.
+    Filter {
+        #[command(subcommand)]
+        command: FilterCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum FilterCommand {
+    /// Run a filter component on one request in the real sandbox and print the decision
+    /// and its cost as JSON (exit 1 if the filter failed).
+    Run {
+        /// The component (`.wasm`).
+        module: PathBuf,
+        /// The filter's config, as JSON.
+        #[arg(long, default_value = "null")]
+        config: String,
+        /// Limits, as JSON (e.g. `{"fuel": 1000000}`); defaults for the rest.
+        #[arg(long, default_value = "{}")]
+        limits: String,
+        /// Method.
+        #[arg(long, default_value = "GET")]
+        method: String,
+        /// Path, optionally with `?query`.
+        #[arg(long, default_value = "/")]
+        path: String,
+        /// A header, `name: value` (repeatable).
+        #[arg(long = "header", short = 'H')]
+        headers: Vec<String>,
+        /// A body: also runs the body phase.
+        #[arg(long)]
+        body: Option<String>,
+    },
+}
+
+fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
+    let FilterCommand::Run { module, config, limits, method, path, headers, body } = command;
+    let config: serde_json::Value = serde_json::from_str(&config).map_err(|e| anyhow::anyhow!("--config: {e}"))?;
+    let limits: postern_wasm::Limits = serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("--limits: {e}"))?;
+    let headers = headers
+        .iter()
+        .map(|h| {
+            h.split_once(':')
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                .ok_or_else(|| anyhow::anyhow!("--header {h:?}: use 'name: value'"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let req = posternctl::filter_run::RunRequest { method, path, headers, body: body.map(String::into_bytes) };
+    let report = posternctl::filter_run::run(&module, &config, limits, &req)?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(report["ok"] == true)
 }
 
 fn main() -> ExitCode {
@@ -57,6 +108,14 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
             },
+        },
+        Command::Filter { command } => match filter_run(command) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(2)
+            }
         },
         Command::Validate { repo } => match posternctl::compile::compile(&repo) {
             Err(rejected) => {

@@ -51,6 +51,7 @@ fn snapshot(routes: usize) -> Snapshot {
             filters,
             deprecation: None,
             public: true,
+            buffer_body: false,
         });
     }
     Snapshot { schema: SCHEMA_VERSION, clusters, routes: out }

@@ -69,6 +69,42 @@ impl Body for LimitedBody {
     }
 }
 
+/// What the gateway sends upstream: the client's body streamed under its limit, or a
+/// body buffered for filters' body phase.
+#[derive(Debug)]
+pub enum UpstreamBody {
+    /// Streamed as it arrives.
+    Stream(LimitedBody),
+    /// Already read (at most the route's limit).
+    Full(Option<Bytes>),
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self.get_mut() {
+            UpstreamBody::Stream(b) => Pin::new(b).poll_frame(cx),
+            UpstreamBody::Full(b) => Poll::Ready(b.take().map(|d| Ok(Frame::data(d)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Stream(b) => b.is_end_stream(),
+            UpstreamBody::Full(b) => b.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            UpstreamBody::Stream(b) => b.size_hint(),
+            UpstreamBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64)),
+        }
+    }
+}
+
 /// Finds a [`BodyError::TooLarge`] anywhere in an error's source chain.
 pub fn is_too_large(err: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);

@@ -14,15 +14,16 @@ use http::header::{CONTENT_LENGTH, HOST};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use postern_filter_contract::{Context, Flow, Problem, ResponseFlow};
+use postern_filter_contract::{Context, Flow, Problem, Reply, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
 
-use crate::body::{LimitedBody, ResponseBody, is_too_large};
+use crate::body::{LimitedBody, ResponseBody, UpstreamBody, is_too_large};
 use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::respond::{self, problems};
 use crate::snapshot::{CompiledRoute, Live, Rewrite};
+use http_body_util::BodyExt;
 
 /// Shared state of the data plane.
 #[derive(Debug)]
@@ -208,11 +209,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
                 Flow::Wait(fut) => fut.await,
             };
             if let Err(reply) = outcome {
-                let mut resp = respond::reply(reply, &rid);
-                m.count(resp.status().as_u16());
-                m.latency.observe(start.elapsed());
-                resp.headers_mut().insert(X_REQUEST_ID, rid);
-                return resp;
+                return filter_reply(reply, &rid, m, start);
             }
         }
     }
@@ -260,7 +257,34 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let left = route.response_timeout.saturating_sub(start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
 
-    let up = Request::from_parts(parts, LimitedBody::new(body, route.max_body_bytes));
+    let body = LimitedBody::new(body, route.max_body_bytes);
+    let body = if route.buffer_body {
+        // Small bodies on routes that opt in: read whole (the limit still counts every
+        // byte), let filters see it, forward it with its exact length.
+        let bytes = match tokio::time::timeout(left, body.collect()).await {
+            Err(_) => return fail(problems::bad_request("the request body did not arrive in time"), m),
+            Ok(Err(e)) if is_too_large(&e) => return fail(problems::payload_too_large(route.max_body_bytes), m),
+            Ok(Err(_)) => return fail(problems::bad_request("the request body broke off"), m),
+            Ok(Ok(c)) => c.to_bytes(),
+        };
+        if let Some(cx) = &cx {
+            for f in &route.filters {
+                let outcome = match f.on_request_body(&mut parts, &bytes, cx) {
+                    Flow::Continue => Ok(()),
+                    Flow::Respond(r) => Err(r),
+                    Flow::Wait(fut) => fut.await,
+                };
+                if let Err(reply) = outcome {
+                    return filter_reply(reply, &rid, m, start);
+                }
+            }
+        }
+        parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        UpstreamBody::Full(Some(bytes))
+    } else {
+        UpstreamBody::Stream(body)
+    };
+    let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     let result = tokio::time::timeout(left, route.client.request(up)).await;
     let waited = sent.elapsed();
@@ -292,6 +316,15 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     m.latency.observe(total);
     m.added.observe(total.saturating_sub(waited));
     Response::from_parts(rp, ResponseBody::Upstream(rb))
+}
+
+/// A filter answered the request itself.
+fn filter_reply(reply: Reply, rid: &HeaderValue, m: &RouteMetrics, start: Instant) -> Response<ResponseBody> {
+    let mut resp = respond::reply(reply, rid);
+    m.count(resp.status().as_u16());
+    m.latency.observe(start.elapsed());
+    resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
+    resp
 }
 
 /// Turns a client error into the problem the caller sees.

@@ -290,6 +290,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         cache_dir: Some(args.wasm_cache.clone().unwrap_or_else(|| snapshot_dir.join("wasm-cache"))),
         max_instances: args.wasm_instances.max(1),
         maxima: postern_wasm::Limits::MAXIMA,
+        metering: true,
     })
     .context("cannot start the Wasm runtime")?;
     let builder = Arc::new(Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules")));

@@ -89,6 +89,8 @@ pub struct CompiledRoute {
     pub response_timeout: Duration,
     /// Body limit.
     pub max_body_bytes: u64,
+    /// Buffer the body for filters' body phase.
+    pub buffer_body: bool,
     /// Path rewrite.
     pub rewrite: Option<Rewrite>,
     /// Filters in order.
@@ -311,6 +313,7 @@ impl Builder {
                 client: clients.get(Duration::from_millis(r.timeouts.connect_ms)),
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
                 max_body_bytes: r.max_body_bytes,
+                buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
                 rewrite,
                 filters,
                 response_headers,

@@ -7,10 +7,10 @@ use std::time::Duration;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::body::LimitedBody;
+use crate::body::UpstreamBody;
 
 /// A pooled HTTP client for backends.
-pub type Client = hyper_util::client::legacy::Client<HttpConnector, LimitedBody>;
+pub type Client = hyper_util::client::legacy::Client<HttpConnector, UpstreamBody>;
 
 /// Clients by connect timeout.
 #[derive(Debug, Default)]

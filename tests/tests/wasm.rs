@@ -276,6 +276,19 @@ async fn example_filters_on_the_demo_routes() {
     let r = postern_e2e::send(Method::POST, &url, &[("x-timestamp", "1767225600"), ("x-signature", &bad)], "{}").await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
 
+    // The route buffers small bodies, so the verifier's body phase checks the body too.
+    let body = r#"{"event":"paid"}"#;
+    let body_sig = format!("sha256={}", hmac_sha256(b"demo-webhook-secret", format!("1767225600.{body}").as_bytes()));
+    let headers =
+        [("x-timestamp", "1767225600"), ("x-signature", sig.as_str()), ("x-signature-body", body_sig.as_str())];
+    let r = postern_e2e::send(Method::POST, &url, &headers, body).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["body"], body, "the buffered body is forwarded whole");
+    let tampered =
+        [("x-timestamp", "1767225600"), ("x-signature", sig.as_str()), ("x-signature-body", body_sig.as_str())];
+    let r = postern_e2e::send(Method::POST, &url, &tampered, r#"{"event":"refunded"}"#).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
     // ab-tagger: a stable arm per caller key.
     let mut arms = std::collections::BTreeSet::new();
     for i in 0..20 {
@@ -286,4 +299,37 @@ async fn example_filters_on_the_demo_routes() {
         arms.insert(a.expect("tagged"));
     }
     assert_eq!(arms.into_iter().collect::<Vec<_>>(), vec!["checkout=a".to_owned(), "checkout=b".to_owned()]);
+}
+
+#[test]
+fn posternctl_filter_run_tests_a_build_in_the_real_sandbox() {
+    let run = |name: &str, extra: &[&str]| {
+        std::process::Command::new(postern_e2e::bin("posternctl"))
+            .args(["filter", "run"])
+            .arg(filter_wasm(name))
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run("well-behaved", &["--path", "/x?y=1", "-H", "x-in: 1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["decision"], "continue");
+    assert_eq!(v["phases"][0]["set_headers"][0], serde_json::json!(["x-well-behaved", "yes"]));
+    assert!(v["phases"][0]["fuel"].as_u64().unwrap() > 0);
+
+    let out = run("loop-forever", &["--limits", r#"{"fuel": 1000000}"#]);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["outcome"], "fuel_exhausted");
+
+    let cfg = r#"{"secret":"s"}"#;
+    let out = run("hmac-verifier", &["--config", cfg, "--method", "POST", "--path", "/hook"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["decision"], "respond");
+    assert_eq!(v["phases"][0]["status"], 401);
+
+    let out = run("well-behaved", &["--limits", r#"{"fuel": 1000000000000}"#]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("over the platform maximum"));
 }

@@ -171,7 +171,14 @@ pub struct Route {
     pub deprecation: Option<Deprecation>,
     /// Marked public: served without credentials.
     pub public: bool,
+    /// Buffer the request body (at most [`MAX_BUFFERED_BODY_BYTES`]) so filters can run
+    /// their body phase; otherwise bodies stream.
+    #[serde(default)]
+    pub buffer_body: bool,
 }
+
+/// Largest body a route may buffer for filters' body phase (1 MiB).
+pub const MAX_BUFFERED_BODY_BYTES: u64 = 1 << 20;
 
 /// A request header a route requires.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

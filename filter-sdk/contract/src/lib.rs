@@ -135,6 +135,13 @@ pub trait Filter: Send + Sync + 'static {
         Flow::Continue
     }
 
+    /// Request body phase: runs after the request phase, only on routes that buffer
+    /// the (small) request body.
+    fn on_request_body<'a>(&'a self, req: &'a mut RequestHead, body: &'a [u8], cx: &'a Context) -> Flow<'a> {
+        let _ = (req, body, cx);
+        Flow::Continue
+    }
+
     /// Response phase: runs on the response head before it streams to the client.
     fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {
         let _ = (resp, cx);

@@ -173,34 +173,38 @@ impl WasmFilter {
         }
     }
 
-    async fn request(&self, req: &mut RequestHead, cx: &Context) -> Result<(), Reply> {
+    fn wit_request(req: &RequestHead) -> types::Request {
+        types::Request {
+            method: req.method.as_str().to_owned(),
+            path: req.uri.path().to_owned(),
+            query: req.uri.query().map(str::to_owned),
+            // The Host header first: by the body phase the URI already names the backend.
+            authority: req
+                .headers
+                .get(HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+                .or_else(|| req.uri.authority().map(|a| a.as_str().to_owned())),
+            headers: fields(&req.headers),
+        }
+    }
+
+    /// Runs the request phase, or with `body` the body phase, and applies the decision.
+    async fn request(&self, req: &mut RequestHead, body: Option<&[u8]>, cx: &Context) -> Result<(), Reply> {
         if self.quarantined() {
             self.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
             return self.fail(Outcome::Quarantined);
         }
-        let wit_req = types::Request {
-            method: req.method.as_str().to_owned(),
-            path: req.uri.path().to_owned(),
-            query: req.uri.query().map(str::to_owned),
-            authority: req
-                .uri
-                .authority()
-                .map(|a| a.as_str().to_owned())
-                .or_else(|| req.headers.get(HOST).and_then(|h| h.to_str().ok()).map(str::to_owned)),
-            headers: fields(&req.headers),
+        let (limits, config, stats, tag) =
+            (&self.attachment.limits, self.config.clone(), self.stats.clone(), self.tag.clone());
+        let wit_req = Self::wit_request(req);
+        let call = match body {
+            None => self.runtime.on_request(&self.module, limits, config, stats, tag, wit_req, Self::context(cx)).await,
+            Some(b) => {
+                let (module, cx) = (&self.module, Self::context(cx));
+                self.runtime.on_request_body(module, limits, config, stats, tag, wit_req, b.to_vec(), cx).await
+            }
         };
-        let call = self
-            .runtime
-            .on_request(
-                &self.module,
-                &self.attachment.limits,
-                self.config.clone(),
-                self.stats.clone(),
-                self.tag.clone(),
-                wit_req,
-                Self::context(cx),
-            )
-            .await;
         let outcome = match call.result {
             Err(o) => Err(o),
             Ok(types::Decision::Continue(edits)) => {
@@ -360,7 +364,11 @@ fn make_reply(reply: types::Reply, limits: &Limits) -> Result<Reply, Outcome> {
 
 impl Filter for WasmFilter {
     fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
-        Flow::Wait(Box::pin(self.request(req, cx)))
+        Flow::Wait(Box::pin(self.request(req, None, cx)))
+    }
+
+    fn on_request_body<'a>(&'a self, req: &'a mut RequestHead, body: &'a [u8], cx: &'a Context) -> Flow<'a> {
+        Flow::Wait(Box::pin(self.request(req, Some(body), cx)))
     }
 
     fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {

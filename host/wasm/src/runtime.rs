@@ -86,11 +86,14 @@ pub struct RuntimeConfig {
     pub max_instances: u32,
     /// Platform maxima; the pool's memory slots are this large.
     pub maxima: Limits,
+    /// Meter fuel and wall time. Always on in the gateway; off only to measure what
+    /// metering costs.
+    pub metering: bool,
 }
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { cache_dir: None, max_instances: 1000, maxima: Limits::MAXIMA }
+        RuntimeConfig { cache_dir: None, max_instances: 1000, maxima: Limits::MAXIMA, metering: true }
     }
 }
 
@@ -240,6 +243,7 @@ pub struct Runtime {
     stop: Arc<AtomicBool>,
     /// Platform maxima.
     pub maxima: Limits,
+    metering: bool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -274,8 +278,8 @@ impl Runtime {
     /// Builds the engine and starts the epoch thread.
     pub fn new(cfg: &RuntimeConfig) -> anyhow::Result<Arc<Runtime>> {
         let mut config = Config::new();
-        config.consume_fuel(true);
-        config.epoch_interruption(true);
+        config.consume_fuel(cfg.metering);
+        config.epoch_interruption(cfg.metering);
         config.max_wasm_stack(512 * 1024);
         config.async_stack_size(2 << 20);
         let mut pool = PoolingAllocationConfig::default();
@@ -307,7 +311,14 @@ impl Runtime {
                 e.increment_epoch();
             }
         })?;
-        Ok(Arc::new(Runtime { engine, linker, modules: Mutex::new(HashMap::new()), stop, maxima: cfg.maxima }))
+        Ok(Arc::new(Runtime {
+            engine,
+            linker,
+            modules: Mutex::new(HashMap::new()),
+            stop,
+            maxima: cfg.maxima,
+            metering: cfg.metering,
+        }))
     }
 
     /// Compiles (or takes from cache), validates and pre-instantiates a module. If
@@ -357,6 +368,9 @@ impl Runtime {
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| s);
+        if !self.metering {
+            return store;
+        }
         let _ = store.set_fuel(limits.fuel);
         // Yield to the executor every tick (1 ms) so a busy filter never holds a worker;
         // past the deadline, interrupt it.
@@ -386,7 +400,7 @@ impl Runtime {
             Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
             Ok(instance) => f(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap)),
         };
-        let fuel = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
+        let fuel = if self.metering { limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
         Call { result, fuel, took: start.elapsed() }
     }
 
@@ -404,6 +418,25 @@ impl Runtime {
     ) -> Call<types::Decision> {
         self.run(module, limits, config, stats, tag, async |inst, store| inst.call_on_request(store, &req, &cx).await)
             .await
+    }
+
+    /// Runs the request body phase in a fresh instance.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn on_request_body(
+        &self,
+        module: &Module,
+        limits: &Limits,
+        config: Arc<[u8]>,
+        stats: Arc<FilterStats>,
+        tag: Arc<str>,
+        req: types::Request,
+        body: Vec<u8>,
+        cx: types::Context,
+    ) -> Call<types::Decision> {
+        self.run(module, limits, config, stats, tag, async |inst, store| {
+            inst.call_on_request_body(store, &req, &body, &cx).await
+        })
+        .await
     }
 
     /// Runs the response phase in a fresh instance.

@@ -1,0 +1,104 @@
+//! `posternctl filter run`: runs a filter component on one request in the gateway's real
+//! sandbox (same runtime, limits and outcome classification as a node) and prints the
+//! decision and its cost, so an author can test a build before shipping it.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use postern_wasm::runtime::types;
+use postern_wasm::{FilterStats, Limits, Runtime, RuntimeConfig};
+
+/// One request to run a filter on.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    /// Method.
+    pub method: String,
+    /// Path, optionally with `?query`.
+    pub path: String,
+    /// `name: value` headers.
+    pub headers: Vec<(String, String)>,
+    /// Body; when given, the body phase runs after the request phase.
+    pub body: Option<Vec<u8>>,
+}
+
+fn fields(list: &[(String, Vec<u8>)]) -> serde_json::Value {
+    list.iter().map(|(k, v)| serde_json::json!([k, String::from_utf8_lossy(v)])).collect()
+}
+
+fn decision_json(d: &types::Decision) -> serde_json::Value {
+    match d {
+        types::Decision::Continue(e) => serde_json::json!({
+            "decision": "continue",
+            "set_headers": fields(&e.set_headers),
+            "append_headers": fields(&e.append_headers),
+            "remove_headers": e.remove_headers,
+            "path": e.path,
+        }),
+        types::Decision::Respond(r) => serde_json::json!({
+            "decision": "respond",
+            "status": r.status,
+            "headers": fields(&r.headers),
+            "body": String::from_utf8_lossy(&r.body),
+        }),
+    }
+}
+
+/// Runs `module` on `req` with `config` under `limits`; returns a JSON report per phase.
+pub fn run(
+    module: &Path,
+    config: &serde_json::Value,
+    limits: Limits,
+    req: &RunRequest,
+) -> anyhow::Result<serde_json::Value> {
+    let over = limits.over(&Limits::MAXIMA);
+    anyhow::ensure!(over.is_empty(), "limits: {}", over.join("; "));
+    let runtime = Runtime::new(&RuntimeConfig { max_instances: 4, ..Default::default() })?;
+    let bytes = std::fs::read(module).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", module.display()))?;
+    let m = runtime.load(&bytes, None)?;
+    let (path, query) = match req.path.split_once('?') {
+        Some((p, q)) => (p.to_owned(), Some(q.to_owned())),
+        None => (req.path.clone(), None),
+    };
+    let wit_req = types::Request {
+        method: req.method.clone(),
+        path,
+        query,
+        authority: Some("localhost".into()),
+        headers: req.headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec())).collect(),
+    };
+    let cx = types::Context { route_id: "local/run".into(), request_id: "0".repeat(32), identity: None };
+    let config: Arc<[u8]> = match config {
+        serde_json::Value::Null => Arc::from(&b""[..]),
+        v => Arc::from(serde_json::to_vec(v)?),
+    };
+    let stats = Arc::new(FilterStats::default());
+    let tag: Arc<str> = Arc::from("local");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let report = |phase: &str, call: postern_wasm::runtime::Call<types::Decision>| {
+        let mut v = match &call.result {
+            Ok(d) => decision_json(d),
+            Err(o) => serde_json::json!({"decision": "failed", "outcome": o.as_str()}),
+        };
+        v["phase"] = phase.into();
+        v["fuel"] = call.fuel.into();
+        v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
+        v
+    };
+    let first = rt.block_on(runtime.on_request(
+        &m,
+        &limits,
+        config.clone(),
+        stats.clone(),
+        tag.clone(),
+        wit_req.clone(),
+        cx.clone(),
+    ));
+    let forwarded = matches!(first.result, Ok(types::Decision::Continue(_)));
+    let mut phases = vec![report("request", first)];
+    if let (true, Some(body)) = (forwarded, &req.body) {
+        let call = rt.block_on(runtime.on_request_body(&m, &limits, config, stats, tag, wit_req, body.clone(), cx));
+        phases.push(report("request_body", call));
+    }
+    let failed = phases.iter().any(|p| p["decision"] == "failed");
+    Ok(serde_json::json!({"module": m.digest, "limits": limits, "phases": phases, "ok": !failed}))
+}
