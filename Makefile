@@ -13,11 +13,11 @@ setup:
 build: setup
 	$(CARGO) build --workspace --bins
 
-# Wasm filters (examples and the hostile test filters) for wasm32-wasip2, and the
-# examples' native unit tests.
+# Wasm filters (examples and the hostile test filters) for wasm32-wasip2, built from
+# their own folders so their .cargo/config.toml (a 64 KiB shadow stack) applies.
 filters: setup
 	for m in $(GUESTS); do \
-		$(CARGO) build --release --target wasm32-wasip2 --manifest-path $$m --target-dir $(TARGET_DIR)/filters || exit 1; \
+		(cd $$(dirname $$m) && $(CARGO) build --release --target wasm32-wasip2 --target-dir $(abspath $(TARGET_DIR))/filters) || exit 1; \
 	done
 
 # The whole suite: formatting, lints, unit tests, filter tests, and end-to-end tests that
@@ -27,7 +27,9 @@ test: setup
 	for m in $(GUESTS) filter-sdk/guest/Cargo.toml; do $(CARGO) fmt --manifest-path $$m --all -- --check || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(MAKE) filters
-	$(CARGO) test --manifest-path examples/filters/Cargo.toml --target-dir $(TARGET_DIR)/filters-native
+	for m in filter-sdk/guest/Cargo.toml $(GUESTS); do \
+		$(CARGO) test --manifest-path $$m --target-dir $(TARGET_DIR)/filters-native || exit 1; \
+	done
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 

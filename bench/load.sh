@@ -9,8 +9,17 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 peers=${PEERS:-$root/../shared/bench/peers/run.sh}
 [ -x "$peers" ] || [ -f "$peers" ] || { echo "peer harness not found at $peers" >&2; exit 1; }
 cargo build --release -p postern -p posternctl --bins >&2
+make -C "$root" filters >&2
 work=$(mktemp -d)
-mkdir -p "$work/repo/platform" "$work/repo/teams/bench"
+mkdir -p "$work/repo/platform" "$work/repo/teams/bench/filters"
+# A Wasm filter that sets one request header (the equivalent of the nginx+Lua peer).
+wasm="$root/target/filters/wasm32-wasip2/release/header_injector.wasm"
+cp "$wasm" "$work/repo/teams/bench/filters/header-injector.wasm"
+echo "module: header-injector.wasm" > "$work/repo/teams/bench/filters/header-injector.yaml"
+cat > "$work/repo/platform/filters.yaml" <<Y
+approved:
+  - { digest: "sha256:$(sha256sum "$wasm" | cut -d' ' -f1)", filter: header-injector, team: bench }
+Y
 cat > "$work/repo/platform/clusters.yaml" <<'Y'
 clusters:
   orders: { endpoints: ["127.0.0.1:18080"] }
@@ -34,6 +43,15 @@ routes:
     rewrite: { replacePrefixMatch: /v1/orders }
     requestHeaders:
       set: [{ name: x-bench, value: "1" }]
+  - name: orders-with-wasm
+    public: true
+    match: { path: { type: PathPrefix, value: /v1/wasm } }
+    backendRefs: [{ name: orders }]
+    timeouts: { connect: 1s, response: 5s }
+    rewrite: { replacePrefixMatch: /v1/orders }
+    wasmFilters:
+      - name: header-injector
+        config: { set: { x-bench: "1" } }
 Y
 "$root/target/release/posternctl" compile "$work/repo" -o "$work/snapshot.json" >&2
 POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/snapshot.json" \
@@ -41,4 +59,6 @@ POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/s
 pid=$!
 trap 'kill $pid 2>/dev/null; rm -rf "$work"' EXIT
 sleep 0.5
-bash "$peers" "postern=http://127.0.0.1:18090/v1/orders/1=$pid" "postern+hdr=http://127.0.0.1:18090/v1/hdr/1=$pid"
+bash "$peers" "postern=http://127.0.0.1:18090/v1/orders/1=$pid" \
+  "postern+hdr=http://127.0.0.1:18090/v1/hdr/1=$pid" \
+  "postern+wasm=http://127.0.0.1:18090/v1/wasm/1=$pid"

@@ -430,3 +430,62 @@ fn copy_dir(src: &Path, dst: &Path) {
         }
     }
 }
+
+/// A node with every hostile test filter on its own fail-closed route (`/h/<name>`),
+/// plus `/state` (keeps-state), `/good` (well-behaved, response phase too), `/open/trap`
+/// (fail-open) and `/plain` (no filter), all to one echo backend.
+pub mod wasm_fixture {
+    use super::{Echo, Node, Repo, add_filter, filter_wasm, platform};
+
+    /// (crate, limits, expected outcome in the problem detail)
+    pub const HOSTILE: &[(&str, &str, &str)] = &[
+        ("loop-forever", "{ fuel: 5000000, deadline_ms: 50 }", "fuel_exhausted"),
+        ("memory-bomb", "{ memory_bytes: 8388608, fuel: 100000000, deadline_ms: 50 }", "memory_limit"),
+        ("deep-recursion", "{}", "stack_overflow"),
+        ("trap", "{}", "trap"),
+        ("guest-panic", "{}", "guest_panic"),
+        ("huge-header", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
+        ("huge-body", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
+        ("host-call-flood", "{ fuel: 100000000, deadline_ms: 50 }", "host_call_limit"),
+    ];
+
+    pub fn route(name: &str, path: &str, filter: &str, extra: &str) -> String {
+        format!(
+            "  - name: {name}\n    public: true\n    match: {{ path: {{ value: {path} }} }}\n    backendRefs: [{{ name: e }}]\n    timeouts: {{ connect: 1s, response: 5s }}\n    wasmFilters: [{{ name: {filter}{extra} }}]\n"
+        )
+    }
+
+    pub struct Fixture {
+        /// The node.
+        pub node: Node,
+        /// The backend.
+        pub echo: Echo,
+        /// The config repository.
+        pub repo: Repo,
+    }
+
+    pub fn fixture() -> Fixture {
+        let echo = Echo::start("e");
+        let repo = Repo::new();
+        platform(&repo, &[("e", &echo.addr())]);
+        let mut routes = String::from("routes:\n");
+        for (name, limits, _) in HOSTILE {
+            add_filter(&repo, "t", name, &filter_wasm(name), limits);
+            routes.push_str(&route(name, &format!("/h/{name}"), name, ""));
+        }
+        add_filter(&repo, "t", "keeps-state", &filter_wasm("keeps-state"), "{}");
+        add_filter(&repo, "t", "well-behaved", &filter_wasm("well-behaved"), "{}");
+        routes.push_str(&route("state", "/state", "keeps-state", ""));
+        routes.push_str(&route("good", "/good", "well-behaved", ", responsePhase: true"));
+        routes.push_str(&route("open-trap", "/open/trap", "trap", ", failure: fail_open"));
+        routes.push_str(
+            "  - name: plain\n    public: true\n    match: { path: { value: /plain } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
+        );
+        repo.write("teams/t/routes.yaml", &routes);
+        let snap = repo.path().join("out/snapshot.json");
+        std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+        repo.compile_ok(&snap);
+        let node = Node::start(&snap, &[]);
+        Fixture { node, echo, repo }
+    }
+}
