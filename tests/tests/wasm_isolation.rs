@@ -30,7 +30,7 @@ async fn a_hammered_hostile_filter_does_not_slow_other_routes_and_gets_quarantin
     let f = fixture();
     let plain = f.node.url("/plain");
     p99(&plain, 50).await; // warm up
-    let baseline = p99(&plain, 300).await;
+    let baseline = p99(&plain, 500).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut hammer = Vec::new();
@@ -43,17 +43,21 @@ async fn a_hammered_hostile_filter_does_not_slow_other_routes_and_gets_quarantin
                 let r = send_with(&c, Method::GET, &url, &[], Bytes::new()).await.expect("request");
                 assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
                 n += 1;
+                // Sustained but bounded: on two cores, unthrottled loops would measure
+                // CPU saturation by request volume, not the sandbox's isolation.
+                tokio::time::sleep(Duration::from_millis(2)).await;
             }
             n
         }));
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let loaded = p99(&plain, 300).await;
+    let loaded = p99(&plain, 500).await;
     stop.store(true, Ordering::Relaxed);
     let mut hostile_calls = 0;
     for h in hammer {
         hostile_calls += h.await.unwrap();
     }
+    eprintln!("p99 of /plain: {baseline:?} alone, {loaded:?} while {hostile_calls} hostile calls ran");
     // Within 2x of the baseline; 5 ms of slack absorbs scheduler noise at sub-ms scale.
     assert!(loaded <= baseline * 2 + Duration::from_millis(5), "p99 {loaded:?} under load vs {baseline:?} baseline");
     assert!(hostile_calls > 20, "only {hostile_calls} hostile calls");
