@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use postern_filter_contract::{ConfigError, Filter, FilterFactory};
 
+pub mod auth;
 pub mod headers;
 
 static FACTORIES: &[&dyn FilterFactory] = &[&headers::RequestHeadersFactory, &headers::ResponseHeadersFactory];

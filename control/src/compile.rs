@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, UNIX_EPOCH};
 
 use postern_model::{
-    Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite, Pool, Route,
-    SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
+    AuthMethod, Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite,
+    Plan, Pool, Route, RouteAuth, SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
 };
 use postern_router::{PathKind, RouteError, RouteSpec, RouterBuilder};
 use serde::de::DeserializeOwned;
 
-use crate::config::{ClustersDoc, OwnershipDoc, PathType, RouteDoc, RoutesDoc};
+use crate::config::{AuthMethodDoc, ClustersDoc, OwnershipDoc, PathType, PlansDoc, RouteDoc, RoutesDoc};
 
 /// Largest request body limit a route may declare (1 GiB).
 pub const MAX_BODY_LIMIT: u64 = 1 << 30;
@@ -70,6 +70,8 @@ struct Ctx {
     modules: BTreeMap<String, PathBuf>,
     /// Module digest → validation result, so a module is checked once.
     checked: HashMap<String, Result<(), String>>,
+    /// `platform/plans.yaml`.
+    plans: PlansDoc,
 }
 
 /// A compiled repository: the snapshot and the filter modules it references.
@@ -177,7 +179,22 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         runtime: None,
         modules: BTreeMap::new(),
         checked: HashMap::new(),
+        plans: PlansDoc::default(),
     };
+    let plans_path = root.join("platform/plans.yaml");
+    if plans_path.exists()
+        && let Some(doc) = cx.load::<PlansDoc>(&plans_path, None)
+    {
+        for (name, plan) in &doc.plans {
+            for (i, p) in plan.products.iter().enumerate() {
+                if !doc.products.contains(p) {
+                    let msg = format!("unknown product {p:?} (products are listed under products:)");
+                    cx.error(&plans_path, format!("plans.{name}.products[{i}]"), msg, None);
+                }
+            }
+        }
+        cx.plans = doc;
+    }
     let review_path = root.join("platform/filters.yaml");
     if review_path.exists()
         && let Some(doc) = cx.load::<crate::config::ReviewDoc>(&review_path, None)
@@ -304,7 +321,12 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
 
     if cx.diags.is_empty() {
         Ok(Compiled {
-            snapshot: Snapshot { schema: SCHEMA_VERSION, clusters: out_clusters, routes },
+            snapshot: Snapshot {
+                schema: SCHEMA_VERSION,
+                clusters: out_clusters,
+                routes,
+                plans: cx.plans.plans.iter().map(|(k, p)| (k.clone(), Plan { products: p.products.clone() })).collect(),
+            },
             modules: cx.modules,
         })
     } else {
@@ -489,6 +511,8 @@ fn compile_route(
         }
     }
 
+    let auth = route_auth(cx, file, field, team, &r);
+
     let deprecation = r.deprecation.as_ref().map(|d| {
         let date = |sub: &str, v: &Option<String>, cx: &mut Ctx| {
             v.as_ref().and_then(|s| match parse_date(s) {
@@ -533,7 +557,51 @@ fn compile_route(
         deprecation,
         public: r.public,
         buffer_body: r.buffer_body,
+        auth,
     })
+}
+
+/// A route is either explicitly public or authenticated, with scopes and a product the
+/// platform knows.
+fn route_auth(cx: &mut Ctx, file: &Path, field: &str, team: &str, r: &RouteDoc) -> Option<RouteAuth> {
+    let owner = Some(team);
+    let Some(a) = &r.auth else {
+        if !r.public {
+            cx.error(file, format!("{field}.auth"), "a route needs auth unless it is marked public: true", owner);
+        }
+        return None;
+    };
+    if r.public {
+        cx.error(file, format!("{field}.public"), "a public route cannot also require auth", owner);
+    }
+    if r.sticky_header.is_some() {
+        let msg = "an authenticated route splits by the caller's API key or app; stickyHeader is for public routes";
+        cx.error(file, format!("{field}.stickyHeader"), msg, owner);
+    }
+    if a.methods.is_empty() {
+        cx.error(file, format!("{field}.auth.methods"), "name apiKey, jwt or both", owner);
+    }
+    for (i, s) in a.scopes.iter().enumerate() {
+        if !cx.plans.scopes.contains(s) {
+            let msg = format!("unknown scope {s:?} (scopes are listed in platform/plans.yaml)");
+            cx.error(file, format!("{field}.auth.scopes[{i}]"), msg, owner);
+        }
+    }
+    if !cx.plans.products.contains(&a.product) {
+        let msg = format!("unknown product {:?} (products are listed in platform/plans.yaml)", a.product);
+        cx.error(file, format!("{field}.auth.product"), msg, owner);
+    }
+    let mut methods = Vec::new();
+    for m in &a.methods {
+        let m = match m {
+            AuthMethodDoc::ApiKey => AuthMethod::ApiKey,
+            AuthMethodDoc::Jwt => AuthMethod::Jwt,
+        };
+        if !methods.contains(&m) {
+            methods.push(m);
+        }
+    }
+    Some(RouteAuth { methods, scopes: a.scopes.clone(), product: a.product.clone() })
 }
 
 /// Resolves a Wasm filter attachment: manifest, module, review, limits, and a check of
@@ -630,6 +698,39 @@ mod tests {
     const PLATFORM_CLUSTERS: &str = "clusters:\n  a: { endpoints: [\"127.0.0.1:9001\"] }\n  mine: { endpoints: [\"127.0.0.1:9002\"], owner: t }\n  theirs: { endpoints: [\"127.0.0.1:9003\"], owner: u }\n";
     const OWNERS: &str = "owners:\n  - { host: \"*\", pathPrefix: /t, team: t }\n  - { host: \"*\", pathPrefix: /u, team: u }\n  - { host: api.example.com, pathPrefix: /t/special, team: u }\n";
 
+    const PLANS: &str = "scopes: [orders:read, orders:write]\nproducts: [orders, search]\nplans:\n  free: { products: [search] }\n  partner: { products: [orders, search] }\n";
+
+    #[test]
+    fn routes_are_public_or_authenticated_with_known_scopes_and_products() {
+        let authed = |auth: &str| {
+            format!(
+                "routes:\n  - name: r\n    timeouts: {{ connect: 1s, response: 2s }}\n    backendRefs: [{{ name: a }}]\n    match: {{ path: {{ value: /t/o }} }}\n{auth}"
+            )
+        };
+        let s = compile_t(&authed("    auth: { methods: [apiKey, jwt], scopes: [orders:read], product: orders }\n"))
+            .unwrap();
+        let a = s.routes[0].auth.as_ref().unwrap();
+        assert_eq!(a.methods, vec![AuthMethod::ApiKey, AuthMethod::Jwt]);
+        assert_eq!(s.plans["partner"].products, vec!["orders", "search"]);
+
+        let e = error_of(&authed(""));
+        assert_eq!(
+            e,
+            "teams/t/routes.yaml: routes[0].auth: a route needs auth unless it is marked public: true (owner: t)"
+        );
+        let e = error_of(&authed("    auth: { methods: [jwt], scopes: [orders:delete], product: orders }\n"));
+        assert!(e.contains("routes[0].auth.scopes[0]: unknown scope \"orders:delete\""), "{e}");
+        let e = error_of(&authed("    auth: { methods: [jwt], product: billing }\n"));
+        assert!(e.contains("routes[0].auth.product: unknown product \"billing\""), "{e}");
+        let e = error_of(&authed("    auth: { methods: [], product: orders }\n"));
+        assert!(e.contains("routes[0].auth.methods: name apiKey, jwt or both"), "{e}");
+        let e =
+            error_of(&route("    match: { path: { value: /t/o } }\n    auth: { methods: [jwt], product: orders }\n"));
+        assert!(e.contains("routes[0].public: a public route cannot also require auth"), "{e}");
+        let e = error_of(&authed("    auth: { methods: [password], product: orders }\n"));
+        assert!(e.contains("routes[0].auth.methods[0]"), "{e}");
+    }
+
     fn route(body: &str) -> String {
         format!(
             "routes:\n  - name: r\n    public: true\n    timeouts: {{ connect: 1s, response: 2s }}\n    backendRefs: [{{ name: a }}]\n{body}"
@@ -646,6 +747,7 @@ mod tests {
         };
         w("platform/clusters.yaml", PLATFORM_CLUSTERS);
         w("platform/ownership.yaml", OWNERS);
+        w("platform/plans.yaml", PLANS);
         w("teams/t/routes.yaml", routes);
         compile(dir.path()).map(|c| c.snapshot).map_err(|r| r.0.iter().map(ToString::to_string).collect())
     }

@@ -4,6 +4,9 @@
 //! ```text
 //! platform/clusters.yaml    clusters: {name: {endpoints: [host:port], owner: team}}
 //! platform/ownership.yaml   owners: [{host: api.example.com | "*", pathPrefix: /v1/orders, team: orders}]
+//! platform/plans.yaml       scopes: [..], products: [..], plans: {name: {products: [..]}}
+//! platform/auth.yaml        JWT settings, signing keys, apps, deny list (the credential state)
+//! platform/keys.jsonl       API key records (hashes only), one JSON object per line
 //! teams/<team>/*.yaml       routes: [RouteDoc]
 //! ```
 
@@ -96,9 +99,12 @@ pub struct RouteDoc {
     /// Deprecation / sunset.
     #[serde(default)]
     pub deprecation: Option<DeprecationDoc>,
-    /// Served without credentials.
+    /// Served without credentials (a route is either public or has `auth`).
     #[serde(default)]
     pub public: bool,
+    /// Who may call the route: accepted credentials, required scopes, API product.
+    #[serde(default)]
+    pub auth: Option<AuthDoc>,
     /// Buffer the request body (maxBodyBytes at most 1 MiB) so filters see it.
     #[serde(default)]
     pub buffer_body: bool,
@@ -157,6 +163,52 @@ pub struct ApprovedDoc {
     /// Who reviewed it.
     #[serde(default)]
     pub reviewer: Option<String>,
+}
+
+/// `platform/plans.yaml`: the platform's scopes, API products and plans.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlansDoc {
+    /// Every scope a route may require.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// Every API product.
+    #[serde(default)]
+    pub products: Vec<String>,
+    /// Plans by name.
+    #[serde(default)]
+    pub plans: BTreeMap<String, PlanDoc>,
+}
+
+/// One plan.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanDoc {
+    /// The API products the plan includes.
+    pub products: Vec<String>,
+}
+
+/// A route's authentication and authorisation.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthDoc {
+    /// `apiKey`, `jwt` or both.
+    pub methods: Vec<AuthMethodDoc>,
+    /// Scopes the caller must hold (all of them).
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// The API product the route belongs to.
+    pub product: String,
+}
+
+/// A credential kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum AuthMethodDoc {
+    /// `x-api-key`.
+    ApiKey,
+    /// `Authorization: Bearer <JWT>`.
+    Jwt,
 }
 
 fn default_pool() -> Pool {

@@ -1,10 +1,14 @@
 //! Postern's control plane. This crate compiles a team config repository into one
 //! immutable, numbered, content-hashed snapshot ([`compile::compile`],
 //! [`publish`]) and validates it; serving, staging and the fast lane build on it.
+//! The credential state travels beside it ([`credentials`]), and [`keys`] manages API
+//! keys and development signing keys.
 
 pub mod compile;
 pub mod config;
+pub mod credentials;
 pub mod filter_run;
+pub mod keys;
 
 use std::path::Path;
 
@@ -51,4 +55,35 @@ pub fn publish(compiled: &Compiled, out: &Path, version: Option<u64>) -> anyhow:
     std::fs::rename(&tmp, out)
         .map_err(|e| anyhow::anyhow!("cannot move {} to {}: {e}", tmp.display(), out.display()))?;
     Ok(file)
+}
+
+/// Replaces `path` with `bytes` atomically: writes `<path>.tmp`, syncs it to disk, renames
+/// it over `path`, then syncs the directory (best effort), so a reader sees the old file
+/// or the new one, never a partial one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let name =
+        path.file_name().ok_or_else(|| anyhow::anyhow!("{} is not a file path", path.display()))?.to_string_lossy();
+    let tmp = path.with_file_name(format!("{name}.tmp"));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::bail!("cannot write {}: {e}", tmp.display());
+    }
+    if let Err(e) = std::fs::rename(&tmp, path) {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::bail!("cannot move {} to {}: {e}", tmp.display(), path.display());
+    }
+    if let Some(dir) = path.parent() {
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }

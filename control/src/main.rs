@@ -1,9 +1,15 @@
 //! `posternctl`: the control plane's command line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use postern_builtin_filters::auth::apikey::KeyEnv;
+use postern_builtin_filters::auth::unix_now;
+use postern_model::credentials::{Alg, Credentials, Priority};
+use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
+use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
 
 #[derive(Parser)]
 #[command(name = "posternctl", version, about = "Postern control plane")]
@@ -14,7 +20,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Compile a config repository into a snapshot file.
+    /// Compile a config repository into a snapshot file, and its credential state
+    /// (platform/auth.yaml, platform/keys.jsonl) into credentials.json beside it.
     Compile {
         /// The config repository (platform/ and teams/).
         repo: PathBuf,
@@ -25,7 +32,7 @@ enum Command {
         #[arg(long)]
         version: Option<u64>,
     },
-    /// Check a config repository without writing anything.
+    /// Check a config repository (snapshot and credentials) without writing anything.
     Validate {
         /// The config repository.
         repo: PathBuf,
@@ -34,6 +41,143 @@ enum Command {
     Filter {
         #[command(subcommand)]
         command: FilterCommand,
+    },
+    /// Manage API keys in a config repository (platform/keys.jsonl).
+    Key {
+        #[command(subcommand)]
+        command: KeyCommand,
+    },
+    /// JWT signing keys and tokens, for development and tests.
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeyCommand {
+    /// Create an API key: append its hash to platform/keys.jsonl and print the raw key,
+    /// once, on stdout.
+    New {
+        /// The config repository.
+        repo: PathBuf,
+        /// Key id (not secret; sent to backends as x-auth-key-id).
+        #[arg(long)]
+        id: String,
+        /// The app the key belongs to.
+        #[arg(long)]
+        app: String,
+        /// The tenant that owns the app.
+        #[arg(long)]
+        tenant: String,
+        /// The plan (must be defined in the repository; checked by compile and validate).
+        #[arg(long)]
+        plan: String,
+        /// A granted scope (repeatable).
+        #[arg(long = "scope", value_name = "SCOPE")]
+        scopes: Vec<String>,
+        /// Priority class: critical, standard, free or sheddable.
+        #[arg(long, default_value = "standard", value_parser = parse_priority)]
+        priority: Priority,
+        /// Make an ak_test_ key instead of ak_live_.
+        #[arg(long)]
+        test: bool,
+    },
+    /// Replace a key with a new one (same app, tenant, plan, scopes and priority); the old
+    /// key keeps working for the overlap. Prints the new raw key, once, on stdout.
+    Rotate {
+        /// The config repository.
+        repo: PathBuf,
+        /// The key to replace.
+        #[arg(long, value_name = "OLD")]
+        id: String,
+        /// The new key's id.
+        #[arg(long, value_name = "NEW")]
+        new_id: String,
+        /// How long the old key keeps working (e.g. 24h, 15m, 90s).
+        #[arg(long, default_value = "24h", value_parser = parse_duration)]
+        overlap: Duration,
+        /// Make the new key an ak_test_ key instead of ak_live_.
+        #[arg(long)]
+        test: bool,
+    },
+    /// Revoke a key, by id or by the raw key (e.g. one reported leaked).
+    Revoke {
+        /// The config repository.
+        repo: PathBuf,
+        #[command(flatten)]
+        which: RevokeWhich,
+    },
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct RevokeWhich {
+    /// The key's id.
+    #[arg(long)]
+    id: Option<String>,
+    /// The raw key; `-` reads it from stdin (keeps it out of shell history).
+    #[arg(long, value_name = "RAW_KEY")]
+    key: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Generate a signing key pair: write the private key PEM to a new file (mode 0600) and
+    /// print the signing-key record to paste under `signing_keys:` in platform/auth.yaml.
+    /// ES256 makes a P-256 key, RS256 a 2048-bit RSA key.
+    Keygen {
+        /// Key id (the tokens' `kid` header).
+        #[arg(long)]
+        kid: String,
+        /// The issuer (`iss`) whose tokens the key signs.
+        #[arg(long)]
+        issuer: String,
+        /// ES256 or RS256.
+        #[arg(long, default_value = "ES256", value_parser = parse_alg)]
+        alg: Alg,
+        /// Where to write the private key (PKCS#8 PEM); never overwritten.
+        #[arg(long, value_name = "FILE")]
+        private_out: PathBuf,
+        /// Also write the public key (SPKI PEM) here, e.g. for `public_key_file:`.
+        #[arg(long, value_name = "FILE")]
+        public_out: Option<PathBuf>,
+    },
+    /// Sign an access token with a private key and print it. DEVELOPMENT ONLY: production
+    /// tokens come from the identity provider, and the private key must not sit on a
+    /// developer machine.
+    Mint {
+        /// The private key (PKCS#8 PEM, as written by `token keygen`).
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
+        /// Key id (`kid` header).
+        #[arg(long)]
+        kid: String,
+        /// `iss`.
+        #[arg(long)]
+        issuer: String,
+        /// `aud`.
+        #[arg(long)]
+        audience: String,
+        /// `sub`: the user.
+        #[arg(long)]
+        sub: String,
+        /// `client_id`: the OAuth app.
+        #[arg(long)]
+        client_id: String,
+        /// `scope`: space-separated scopes.
+        #[arg(long)]
+        scope: Option<String>,
+        /// Lifetime (e.g. 15m); the gateway refuses tokens living longer than
+        /// jwt.max_lifetime_s (default 1h).
+        #[arg(long, default_value = "15m", value_parser = parse_duration)]
+        ttl: Duration,
+        /// ES256 or RS256 (the key's algorithm).
+        #[arg(long, default_value = "ES256", value_parser = parse_alg)]
+        alg: Alg,
+        /// `jti` (default: 16 random bytes, hex).
+        #[arg(long)]
+        jti: Option<String>,
     },
 }
 
@@ -83,32 +227,189 @@ fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
     Ok(report["ok"] == true)
 }
 
+fn print_credential_errors(errors: &[String]) {
+    eprintln!("{} error(s) in the credentials:", errors.len());
+    for e in errors {
+        eprintln!("  {e}");
+    }
+}
+
+/// `credentials.json` beside the snapshot.
+fn credentials_out(out: &Path) -> anyhow::Result<PathBuf> {
+    if out.file_name().is_some_and(|n| n == CREDENTIALS_FILE) {
+        anyhow::bail!("-o {}: that name is taken by the credentials file; name the snapshot otherwise", out.display());
+    }
+    Ok(out.parent().unwrap_or(Path::new(".")).join(CREDENTIALS_FILE))
+}
+
+/// The snapshot and the credential state of `repo`, or the exit code after printing
+/// every error.
+fn compile_all(repo: &Path) -> Result<(posternctl::compile::Compiled, Credentials), ExitCode> {
+    let compiled = posternctl::compile::compile(repo).map_err(|rejected| {
+        eprint!("{rejected}");
+        ExitCode::from(1)
+    })?;
+    let creds = compile_credentials(repo, &compiled.snapshot.plans).map_err(|errors| {
+        print_credential_errors(&errors);
+        ExitCode::from(1)
+    })?;
+    Ok((compiled, creds))
+}
+
+fn compile(repo: &Path, out: &Path, version: Option<u64>) -> ExitCode {
+    let (compiled, creds) = match compile_all(repo) {
+        Ok(both) => both,
+        Err(code) => return code,
+    };
+    let publish = || -> anyhow::Result<()> {
+        let creds_out = credentials_out(out)?;
+        let file = posternctl::publish(&compiled, out, version)?;
+        println!(
+            "snapshot v{} {} with {} routes and {} clusters written to {}",
+            file.version,
+            file.hash,
+            compiled.snapshot.routes.len(),
+            compiled.snapshot.clusters.len(),
+            out.display()
+        );
+        let file = publish_credentials(&creds, &creds_out)?;
+        println!(
+            "credentials v{} {} with {} keys, {} signing keys written to {}",
+            file.version,
+            file.hash,
+            creds.keys.len(),
+            creds.signing_keys.len(),
+            creds_out.display()
+        );
+        Ok(())
+    };
+    match publish() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn validate(repo: &Path) -> ExitCode {
+    let (compiled, creds) = match compile_all(repo) {
+        Ok(both) => both,
+        Err(code) => return code,
+    };
+    let s = &compiled.snapshot;
+    println!(
+        "ok: {} routes, {} clusters, {} filter modules; {} keys, {} signing keys, {} apps",
+        s.routes.len(),
+        s.clusters.len(),
+        compiled.modules.len(),
+        creds.keys.len(),
+        creds.signing_keys.len(),
+        creds.apps.len()
+    );
+    ExitCode::SUCCESS
+}
+
+fn key(command: KeyCommand) -> anyhow::Result<()> {
+    match command {
+        KeyCommand::New { repo, id, app, tenant, plan, scopes, priority, test } => {
+            let env = if test { KeyEnv::Test } else { KeyEnv::Live };
+            let spec = keys::NewKey { id, app, tenant, plan, scopes, priority, env };
+            let raw = keys::new_key(&repo, &spec)?;
+            println!("{raw}");
+            eprintln!(
+                "key {:?} added to {}. The raw key above is shown only this once: give it to its owner now; \
+                 only its hash is kept.",
+                spec.id,
+                repo.join(posternctl::credentials::KEYS_FILE).display()
+            );
+        }
+        KeyCommand::Rotate { repo, id, new_id, overlap, test } => {
+            let env = if test { KeyEnv::Test } else { KeyEnv::Live };
+            let rotated = keys::rotate_key(&repo, &id, &new_id, overlap, env, unix_now())?;
+            println!("{}", rotated.raw_key);
+            let until = std::time::UNIX_EPOCH + Duration::from_secs(rotated.old_expires_at);
+            eprintln!(
+                "key {new_id:?} replaces {id:?}, which keeps working until {}. The raw key above is shown only \
+                 this once.",
+                humantime::format_rfc3339_seconds(until)
+            );
+        }
+        KeyCommand::Revoke { repo, which } => {
+            let raw;
+            let by = match (&which.id, &which.key) {
+                (Some(id), _) => keys::RevokeBy::Id(id),
+                (None, Some(k)) if k == "-" => {
+                    let mut line = String::new();
+                    std::io::stdin().read_line(&mut line)?;
+                    raw = line;
+                    keys::RevokeBy::RawKey(&raw)
+                }
+                (None, Some(k)) => keys::RevokeBy::RawKey(k),
+                (None, None) => anyhow::bail!("give --id or --key"),
+            };
+            let revoked = keys::revoke_key(&repo, by)?;
+            if revoked.already {
+                println!("key {:?} was already revoked", revoked.id);
+            } else {
+                println!("revoked key {:?}", revoked.id);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn token(command: TokenCommand) -> anyhow::Result<()> {
+    match command {
+        TokenCommand::Keygen { kid, issuer, alg, private_out, public_out } => {
+            let pair = keys::keygen(alg)?;
+            let yaml = keys::signing_key_yaml(&kid, alg, &issuer, &pair.public_pem)?;
+            keys::write_private_key(&private_out, &pair.private_pem)?;
+            if let Some(path) = &public_out {
+                posternctl::write_atomic(path, pair.public_pem.as_bytes())?;
+            }
+            print!("{yaml}");
+            eprintln!(
+                "private key written to {} (keep it secret); paste the record above under signing_keys: in \
+                 platform/auth.yaml",
+                private_out.display()
+            );
+        }
+        TokenCommand::Mint { key, kid, issuer, audience, sub, client_id, scope, ttl, alg, jti } => {
+            let pem =
+                std::fs::read_to_string(&key).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", key.display()))?;
+            let req = keys::MintRequest {
+                alg,
+                kid: &kid,
+                issuer: &issuer,
+                audience: &audience,
+                sub: &sub,
+                client_id: &client_id,
+                scope: scope.as_deref(),
+                ttl,
+                jti: jti.as_deref(),
+                now: unix_now(),
+            };
+            println!("{}", keys::mint(&pem, &req)?);
+        }
+    }
+    Ok(())
+}
+
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Compile { repo, out, version } => match posternctl::compile::compile(&repo) {
-            Err(rejected) => {
-                eprint!("{rejected}");
-                ExitCode::from(1)
-            }
-            Ok(compiled) => match posternctl::publish(&compiled, &out, version) {
-                Ok(file) => {
-                    println!(
-                        "snapshot v{} {} with {} routes and {} clusters written to {}",
-                        file.version,
-                        file.hash,
-                        compiled.snapshot.routes.len(),
-                        compiled.snapshot.clusters.len(),
-                        out.display()
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::from(2)
-                }
-            },
-        },
+        Command::Compile { repo, out, version } => compile(&repo, &out, version),
         Command::Filter { command } => match filter_run(command) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::from(1),
@@ -117,21 +418,8 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Command::Validate { repo } => match posternctl::compile::compile(&repo) {
-            Err(rejected) => {
-                eprint!("{rejected}");
-                ExitCode::from(1)
-            }
-            Ok(compiled) => {
-                let s = &compiled.snapshot;
-                println!(
-                    "ok: {} routes, {} clusters, {} filter modules",
-                    s.routes.len(),
-                    s.clusters.len(),
-                    compiled.modules.len()
-                );
-                ExitCode::SUCCESS
-            }
-        },
+        Command::Validate { repo } => validate(&repo),
+        Command::Key { command } => report(key(command)),
+        Command::Token { command } => report(token(command)),
     }
 }

@@ -12,7 +12,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use postern::metrics::Metrics;
 use postern::snapshot::Builder;
 use postern_model::{
-    Cluster, FilterSpec, PathMatchKind, Pool, Route, SCHEMA_VERSION, Snapshot, SnapshotFile, Timeouts, WeightedBackend,
+    AuthMethod, Cluster, FilterSpec, PathMatchKind, Plan, Pool, Route, RouteAuth, SCHEMA_VERSION, Snapshot,
+    SnapshotFile, Timeouts, WeightedBackend,
 };
 
 fn snapshot(routes: usize) -> Snapshot {
@@ -50,11 +51,18 @@ fn snapshot(routes: usize) -> Snapshot {
             rewrite: None,
             filters,
             deprecation: None,
-            public: true,
+            // Most routes authenticate, as in production.
+            public: i % 4 == 0,
             buffer_body: false,
+            auth: (i % 4 != 0).then(|| RouteAuth {
+                methods: vec![AuthMethod::ApiKey, AuthMethod::Jwt],
+                scopes: vec!["orders:read".into()],
+                product: "orders".into(),
+            }),
         });
     }
-    Snapshot { schema: SCHEMA_VERSION, clusters, routes: out }
+    let plans = [("partner".to_owned(), Plan { products: vec!["orders".into()] })].into_iter().collect();
+    Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans }
 }
 
 fn bench(c: &mut Criterion) {

@@ -27,13 +27,20 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
         "/readyz" => {
             let live = gw.live.load();
+            let creds = gw.auth.credentials.load();
+            let (keys, signing_keys, apps, deny) = creds.counts();
             let body = serde_json::json!({
                 "ready": true,
                 "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
+                "credentials": {"version": creds.version, "keys": keys, "signing_keys": signing_keys, "apps": apps, "deny": deny},
             });
             text(StatusCode::OK, "application/json", body.to_string())
         }
-        "/metrics" => text(StatusCode::OK, "text/plain; version=0.0.4", gw.metrics.render()),
+        "/metrics" => {
+            let mut out = gw.metrics.render();
+            crate::metrics::render_auth(&mut out, &gw.auth.stats);
+            text(StatusCode::OK, "text/plain; version=0.0.4", out)
+        }
         "/snapshot" => {
             let live = gw.live.load();
             let loaded = live.loaded_at.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

@@ -112,6 +112,12 @@ pub struct Metrics {
     pub snapshot_version: AtomicU64,
     /// Open client connections.
     pub connections: AtomicU64,
+    /// Credential states applied.
+    pub credentials_ok: AtomicU64,
+    /// Credential states refused.
+    pub credentials_failed: AtomicU64,
+    /// Version of the live credential state.
+    pub credentials_version: AtomicU64,
 }
 
 impl Metrics {
@@ -197,11 +203,33 @@ impl Metrics {
             ("postern_snapshot_reloads_total", "counter", "Snapshots applied.", &self.reloads_ok),
             ("postern_snapshot_reload_failures_total", "counter", "Snapshots refused.", &self.reloads_failed),
             ("postern_open_connections", "gauge", "Open client connections.", &self.connections),
+            (
+                "postern_credentials_version",
+                "gauge",
+                "Version of the live credential state.",
+                &self.credentials_version,
+            ),
+            ("postern_credentials_reloads_total", "counter", "Credential states applied.", &self.credentials_ok),
+            (
+                "postern_credentials_reload_failures_total",
+                "counter",
+                "Credential states refused.",
+                &self.credentials_failed,
+            ),
         ];
         for (name, kind, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", v.load(Ordering::Relaxed));
         }
         out
+    }
+}
+
+/// Authentication outcomes, by reason.
+pub fn render_auth(out: &mut String, stats: &postern_builtin_filters::auth::AuthStats) {
+    out.push_str("# HELP postern_auth_requests_total Authentication and authorisation outcomes, by reason.\n");
+    out.push_str("# TYPE postern_auth_requests_total counter\n");
+    for (reason, n) in stats.snapshot() {
+        let _ = writeln!(out, "postern_auth_requests_total{{outcome=\"{}\"}} {n}", reason.as_str());
     }
 }
 

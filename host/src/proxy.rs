@@ -32,6 +32,8 @@ pub struct Gateway {
     pub live: ArcSwap<Live>,
     /// Process metrics.
     pub metrics: Arc<Metrics>,
+    /// Authentication state (credentials, verified tokens, outcome counters).
+    pub auth: Arc<postern_builtin_filters::auth::Authenticator>,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -195,12 +197,19 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
 
     headers::strip_hop_by_hop(&mut parts.headers);
     headers::strip_client_identity(&mut parts.headers);
-
-    let cx = if route.filters.is_empty() {
+    // The backend: a stable hash of the caller, so one caller sees one version. On public
+    // routes the caller is the route's sticky header (read before credentials are dropped:
+    // they are never forwarded, and on authenticated routes the auth filter takes them).
+    let public_pick = if route.authenticates {
         None
     } else {
-        Some(Context { route_id: route.id.clone(), request_id: rid.clone() })
+        let key = route.split_header.as_ref().and_then(|h| parts.headers.get(h)).map(HeaderValue::as_bytes);
+        let pick = route.split(key);
+        postern_builtin_filters::auth::strip_credentials(&mut parts.headers);
+        Some(pick)
     };
+
+    let cx = if route.filters.is_empty() { None } else { Some(Context::new(route.id.clone(), rid.clone())) };
     if let Some(cx) = &cx {
         for f in &route.filters {
             let outcome = match f.on_request(&mut parts, cx) {
@@ -214,9 +223,15 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
         }
     }
 
-    // Pick the backend: a stable hash of the caller's key, so one caller sees one version.
-    let key = route.split_header.as_ref().and_then(|h| parts.headers.get(h)).map(HeaderValue::as_bytes);
-    let Some(endpoint) = route.split(key).and_then(|u| u.pick()).cloned() else {
+    // On authenticated routes the caller is its API key, or its app for tokens.
+    let upstream = match public_pick {
+        Some(pick) => pick,
+        None => {
+            let id = cx.as_ref().and_then(Context::identity);
+            route.split(id.and_then(|id| id.key_id.as_ref().or(id.client_id.as_ref())).map(HeaderValue::as_bytes))
+        }
+    };
+    let Some(endpoint) = upstream.and_then(|u| u.pick()).cloned() else {
         return fail(problems::upstream_unavailable("the route's cluster has no endpoints"), m);
     };
 

@@ -54,6 +54,11 @@ pub struct Args {
     /// How often to check the snapshot file for changes, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub watch_interval_ms: u64,
+    /// Credential state (API key hashes, signing keys, apps, deny list) written by
+    /// `posternctl compile`; reloaded when it changes (default: `credentials.json` beside
+    /// the snapshot). Without it every authenticated route refuses its callers.
+    #[arg(long)]
+    pub credentials: Option<PathBuf>,
     /// Directory of compiled Wasm filter code, keyed by module and engine version
     /// (default: `wasm-cache` beside the snapshot file).
     #[arg(long)]
@@ -234,10 +239,47 @@ pub fn reload(gw: &Gateway, builder: &Builder, path: &Path) {
     }
 }
 
+/// Reads the credentials file and swaps it in whole, unless it is not newer than the live
+/// one; a refused file leaves the live state in place.
+pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), String> {
+    let refuse = |why: String| {
+        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(path = %path.display(), error = %why, "credentials refused; keeping the live ones");
+        Err(why)
+    };
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) => return refuse(format!("cannot read: {e}")),
+    };
+    let (file, creds) = match postern_model::credentials::Credentials::open(&bytes) {
+        Ok(x) => x,
+        Err(e) => return refuse(e.to_string()),
+    };
+    let current = gw.auth.credentials.load();
+    if file.version <= current.version {
+        if file.version < current.version {
+            return refuse(format!("version {} is older than the live {}", file.version, current.version));
+        }
+        return Ok(());
+    }
+    let now = postern_builtin_filters::auth::unix_now();
+    let store = match postern_builtin_filters::auth::CredentialStore::build(file.version, &creds, now) {
+        Ok(s) => s,
+        Err(e) => return refuse(e),
+    };
+    let (keys, signing, apps, deny) = store.counts();
+    gw.auth.credentials.store(Arc::new(store));
+    gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
+    gw.metrics.credentials_version.store(file.version, Ordering::Relaxed);
+    tracing::info!(version = file.version, keys, signing, apps, deny, "credentials live");
+    Ok(())
+}
+
 async fn watch_snapshot(
     gw: Arc<Gateway>,
     builder: Arc<Builder>,
     path: PathBuf,
+    credentials: PathBuf,
     every: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -249,6 +291,7 @@ async fn watch_snapshot(
         }
     };
     let mut stamp = file_stamp(&path);
+    let mut cred_stamp = file_stamp(&credentials);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -257,6 +300,12 @@ async fn watch_snapshot(
             _ = async { match hup.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => true,
             _ = stop.changed() => return,
         };
+        let now = file_stamp(&credentials);
+        if (forced || now != cred_stamp) && now.is_some() {
+            cred_stamp = now;
+            let (gw, credentials) = (gw.clone(), credentials.clone());
+            let _ = tokio::task::spawn_blocking(move || reload_credentials(&gw, &credentials)).await;
+        }
         let now = file_stamp(&path);
         if forced || now != stamp {
             stamp = now;
@@ -299,7 +348,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let live = builder.build_bytes(&bytes).with_context(|| format!("snapshot {} refused", args.snapshot.display()))?;
     tracing::info!(version = live.version, hash = %live.hash, routes = live.route_count, "snapshot live");
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
-    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics });
+    let auth = builder.authenticator().clone();
+    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth });
+    let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
+    if credentials.exists() {
+        reload_credentials(&gw, &credentials)
+            .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;
+    } else {
+        tracing::warn!(path = %credentials.display(), "no credentials file: authenticated routes refuse every caller");
+    }
 
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(c), Some(k)) => Some(load_tls(c, k)?),
@@ -325,7 +382,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), graceful.clone(), stop_rx.clone())),
         tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, graceful.clone(), stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
-        tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), watch_every, stop_rx)),
+        tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];
 
     shutdown_signal().await;

@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use http::uri::Authority;
 use http::{HeaderName, HeaderValue};
+use postern_builtin_filters::auth::{AuthFilter, Authenticator};
 use postern_filter_contract::Filter;
 use postern_model::{Pool, Snapshot, SnapshotFile};
 use postern_router::{PathKind, Router, RouterBuilder};
@@ -91,6 +92,9 @@ pub struct CompiledRoute {
     pub max_body_bytes: u64,
     /// Buffer the body for filters' body phase.
     pub buffer_body: bool,
+    /// The first filter authenticates the caller (otherwise the route is public and
+    /// credentials are dropped before any filter sees them).
+    pub authenticates: bool,
     /// Path rewrite.
     pub rewrite: Option<Rewrite>,
     /// Filters in order.
@@ -159,9 +163,13 @@ impl Live {
 pub struct Builder {
     clients: Mutex<Clients>,
     metrics: Arc<Metrics>,
+    auth: Arc<Authenticator>,
     wasm: Option<Arc<postern_wasm::Runtime>>,
     modules_dir: PathBuf,
 }
+
+/// Verified access tokens kept per node.
+const TOKEN_CACHE_ENTRIES: usize = 65_536;
 
 fn bucket_table(weights: &[u32]) -> [u8; 100] {
     let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
@@ -187,13 +195,30 @@ fn http_date(unix: i64) -> Option<HeaderValue> {
 impl Builder {
     /// A builder that registers route metrics in `metrics`, without Wasm filters.
     pub fn new(metrics: Arc<Metrics>) -> Builder {
-        Builder { clients: Mutex::new(Clients::default()), metrics, wasm: None, modules_dir: PathBuf::new() }
+        Builder {
+            clients: Mutex::new(Clients::default()),
+            metrics,
+            auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
+            wasm: None,
+            modules_dir: PathBuf::new(),
+        }
     }
 
     /// A builder that also builds Wasm filters, reading their modules by digest from
     /// `modules_dir` (`<hex>.wasm`, as `posternctl compile` writes them).
     pub fn with_wasm(metrics: Arc<Metrics>, runtime: Arc<postern_wasm::Runtime>, modules_dir: PathBuf) -> Builder {
-        Builder { clients: Mutex::new(Clients::default()), metrics, wasm: Some(runtime), modules_dir }
+        Builder {
+            clients: Mutex::new(Clients::default()),
+            metrics,
+            auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
+            wasm: Some(runtime),
+            modules_dir,
+        }
+    }
+
+    /// The node's authentication state, shared by every snapshot's routes.
+    pub fn authenticator(&self) -> &Arc<Authenticator> {
+        &self.auth
     }
 
     fn wasm_filter(&self, route_id: &Arc<str>, config: &serde_json::Value) -> Result<Arc<dyn Filter>, String> {
@@ -265,7 +290,14 @@ impl Builder {
                 None => None,
                 Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
             };
-            let mut filters = Vec::with_capacity(r.filters.len());
+            let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(r.filters.len() + 1);
+            match &r.auth {
+                Some(spec) => filters.push(Arc::new(
+                    AuthFilter::new(self.auth.clone(), id.clone(), spec, &snapshot.plans).map_err(err)?,
+                )),
+                None if r.public => {}
+                None => return Err(err("the route is not public and has no auth".into())),
+            }
             for f in &r.filters {
                 let built = if f.kind == "wasm" {
                     self.wasm_filter(&id, &f.config).map_err(err)?
@@ -314,6 +346,7 @@ impl Builder {
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
+                authenticates: r.auth.is_some(),
                 rewrite,
                 filters,
                 response_headers,

@@ -383,6 +383,19 @@ pub fn add_filter(repo: &Repo, team: &str, name: &str, wasm: &Path, limits: &str
     std::fs::write(reg, text).expect("write registry");
 }
 
+/// Creates an API key in the config repository at `repo` with `posternctl key new` and
+/// returns the raw key (shown once).
+pub fn new_key(repo: &Path, id: &str, app: &str, tenant: &str, plan: &str, scopes: &[&str]) -> String {
+    let mut cmd = Command::new(bin("posternctl"));
+    cmd.args(["key", "new"]).arg(repo).args(["--id", id, "--app", app, "--tenant", tenant, "--plan", plan]);
+    for s in scopes {
+        cmd.args(["--scope", s]);
+    }
+    let out = cmd.output().expect("posternctl key new");
+    assert!(out.status.success(), "key new: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8").trim().to_owned()
+}
+
 /// Copies `examples/config` to `dst`, puts the built example filter modules beside
 /// their manifests with their approvals (what `make demo` does), and points the demo
 /// clusters' fixed ports at `endpoints` (`127.0.0.1:9001` → `endpoints[0]`, ...).

@@ -12,6 +12,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+pub mod credentials;
+
 /// Version of the snapshot format; a node refuses a snapshot with another one.
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -60,17 +62,28 @@ pub fn content_hash(bytes: &[u8]) -> String {
 impl SnapshotFile {
     /// Wraps `snapshot` into an envelope numbered `version`.
     pub fn seal(version: u64, snapshot: &Snapshot) -> Result<SnapshotFile, serde_json::Error> {
-        let content = serde_json::value::to_raw_value(snapshot)?;
-        Ok(SnapshotFile { version, hash: content_hash(content.get().as_bytes()), content })
+        SnapshotFile::seal_value(version, snapshot)
     }
 
-    /// Parses an envelope, checks its hash and schema, and returns it with its content.
-    pub fn open(bytes: &[u8]) -> Result<(SnapshotFile, Snapshot), SnapshotError> {
+    /// Parses an envelope and checks its hash, leaving the content unparsed.
+    pub fn open_envelope(bytes: &[u8]) -> Result<SnapshotFile, SnapshotError> {
         let file: SnapshotFile = serde_json::from_slice(bytes)?;
         let actual = content_hash(file.content.get().as_bytes());
         if actual != file.hash {
             return Err(SnapshotError::HashMismatch { expected: file.hash, actual });
         }
+        Ok(file)
+    }
+
+    /// Wraps any serialisable content into an envelope numbered `version`.
+    pub fn seal_value<T: Serialize>(version: u64, content: &T) -> Result<SnapshotFile, serde_json::Error> {
+        let content = serde_json::value::to_raw_value(content)?;
+        Ok(SnapshotFile { version, hash: content_hash(content.get().as_bytes()), content })
+    }
+
+    /// Parses an envelope, checks its hash and schema, and returns it with its content.
+    pub fn open(bytes: &[u8]) -> Result<(SnapshotFile, Snapshot), SnapshotError> {
+        let file = SnapshotFile::open_envelope(bytes)?;
         let snapshot: Snapshot = serde_json::from_str(file.content.get())?;
         if snapshot.schema != SCHEMA_VERSION {
             return Err(SnapshotError::Schema(snapshot.schema));
@@ -89,6 +102,40 @@ pub struct Snapshot {
     pub clusters: BTreeMap<String, Cluster>,
     /// Routes, in a stable order (team, then file, then position).
     pub routes: Vec<Route>,
+    /// Plans by name: which API products each includes.
+    #[serde(default)]
+    pub plans: BTreeMap<String, Plan>,
+}
+
+/// A plan: the API products its callers may use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plan {
+    /// Product names.
+    pub products: Vec<String>,
+}
+
+/// How a route authenticates and authorises its callers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteAuth {
+    /// Accepted credentials, at least one.
+    pub methods: Vec<AuthMethod>,
+    /// Scopes the caller must hold, all of them.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// The API product the route belongs to; the caller's plan must include it.
+    pub product: String,
+}
+
+/// A kind of credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthMethod {
+    /// `x-api-key: ak_live_...`.
+    ApiKey,
+    /// `Authorization: Bearer <JWT access token>`.
+    Jwt,
 }
 
 /// A set of interchangeable backend endpoints.
@@ -175,6 +222,9 @@ pub struct Route {
     /// their body phase; otherwise bodies stream.
     #[serde(default)]
     pub buffer_body: bool,
+    /// Authentication and authorisation; `None` only on routes marked public.
+    #[serde(default)]
+    pub auth: Option<RouteAuth>,
 }
 
 /// Largest body a route may buffer for filters' body phase (1 MiB).
@@ -248,7 +298,7 @@ mod tests {
     use super::*;
 
     fn sample() -> Snapshot {
-        Snapshot { schema: SCHEMA_VERSION, clusters: BTreeMap::new(), routes: Vec::new() }
+        Snapshot { schema: SCHEMA_VERSION, clusters: BTreeMap::new(), routes: Vec::new(), plans: BTreeMap::new() }
     }
 
     #[test]

@@ -18,7 +18,7 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 pub use http;
@@ -36,6 +36,62 @@ pub struct Context {
     pub route_id: Arc<str>,
     /// The request id returned to the client as `x-request-id`.
     pub request_id: HeaderValue,
+    /// The verified caller, set once by the route's authentication filter (which runs
+    /// first); filters after it read it.
+    pub identity: OnceLock<Arc<Identity>>,
+}
+
+impl Context {
+    /// A context with no caller yet.
+    pub fn new(route_id: Arc<str>, request_id: HeaderValue) -> Context {
+        Context { route_id, request_id, identity: OnceLock::new() }
+    }
+
+    /// The verified caller, if the route authenticated one.
+    pub fn identity(&self) -> Option<&Identity> {
+        self.identity.get().map(|i| &**i)
+    }
+}
+
+/// How a caller proved who it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialKind {
+    /// An API key.
+    ApiKey,
+    /// An OAuth access token (JWT).
+    Jwt,
+}
+
+/// A verified caller. Values are kept as ready header values: they are what the gateway
+/// sends to backends (`x-auth-*`), so forwarding them copies nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// How the caller authenticated.
+    pub kind: CredentialKind,
+    /// The end user (`sub`), for access tokens.
+    pub subject: Option<HeaderValue>,
+    /// The OAuth client, or the app an API key belongs to.
+    pub client_id: Option<HeaderValue>,
+    /// The tenant.
+    pub tenant: Option<HeaderValue>,
+    /// The API key's id.
+    pub key_id: Option<HeaderValue>,
+    /// The caller's plan.
+    pub plan: Option<HeaderValue>,
+    /// Granted scopes, space-separated.
+    pub scopes: HeaderValue,
+}
+
+impl Identity {
+    /// Whether the caller holds `scope`.
+    pub fn has_scope(&self, scope: &str) -> bool {
+        self.scopes.as_bytes().split(|&b| b == b' ').any(|s| s == scope.as_bytes())
+    }
+
+    /// Granted scopes.
+    pub fn scope_list(&self) -> impl Iterator<Item = &str> {
+        self.scopes.to_str().unwrap_or_default().split(' ').filter(|s| !s.is_empty())
+    }
 }
 
 /// A response the gateway makes itself in the `application/problem+json` format

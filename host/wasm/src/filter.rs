@@ -169,7 +169,17 @@ impl WasmFilter {
         types::Context {
             route_id: cx.route_id.to_string(),
             request_id: cx.request_id.to_str().unwrap_or_default().to_owned(),
-            identity: None,
+            identity: cx.identity().map(|id| {
+                let text = |v: &Option<HeaderValue>| v.as_ref().and_then(|v| v.to_str().ok()).map(str::to_owned);
+                types::Identity {
+                    subject: text(&id.subject),
+                    client_id: text(&id.client_id),
+                    tenant: text(&id.tenant),
+                    key_id: text(&id.key_id),
+                    plan: text(&id.plan),
+                    scopes: id.scope_list().map(str::to_owned).collect(),
+                }
+            }),
         }
     }
 

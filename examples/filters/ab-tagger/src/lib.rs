@@ -1,10 +1,11 @@
 //! `ab-tagger`: assigns each caller to an experiment arm, stably, and tells the
 //! backend which.
 //!
-//! Config (`key_header` defaults to `x-api-key`):
+//! Config (`key_header` defaults to `x-auth-client-id`, the verified caller's app that
+//! the gateway sets on authenticated routes):
 //!
 //! ```json
-//! {"key_header": "x-api-key", "experiment": "checkout", "arms": ["a", "b"]}
+//! {"key_header": "x-auth-client-id", "experiment": "checkout", "arms": ["a", "b"]}
 //! ```
 //!
 //! The arm is picked by a stable hash of `experiment ‖ 0x00 ‖ key`, where `key` is
@@ -28,7 +29,7 @@ use serde::Deserialize;
 pub struct AbTagger;
 
 fn default_key_header() -> String {
-    "x-api-key".to_owned()
+    "x-auth-client-id".to_owned()
 }
 
 /// The attachment's config.
@@ -131,12 +132,12 @@ mod tests {
     use super::*;
     use postern_filter_sdk::{Level, testing};
 
-    const CONFIG: &str = r#"{"key_header": "x-api-key", "experiment": "checkout", "arms": ["a", "b"]}"#;
+    const CONFIG: &str = r#"{"key_header": "x-auth-client-id", "experiment": "checkout", "arms": ["a", "b"]}"#;
 
     fn tag(key: Option<&str>) -> Decision {
         let mut req = testing::request("POST", "/checkout").header("x-experiment", "checkout=spoofed");
         if let Some(key) = key {
-            req = req.header("x-api-key", key);
+            req = req.header("x-auth-client-id", key);
         }
         AbTagger::on_request(&req, &testing::context())
     }

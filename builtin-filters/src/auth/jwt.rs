@@ -1,0 +1,278 @@
+//! OAuth access tokens (JWTs), checked from memory.
+//!
+//! Before any decoding: a size cap and the compact shape (three base64url parts). Then
+//! the header alone, parsed by us so nothing in it is trusted: `kid` must name a pushed
+//! signing key (an unknown `kid` is refused, never fetched), `alg` must be the one pinned
+//! for that key (so `none`, HMAC-with-a-public-key and algorithm swaps fail), and header
+//! parameters that would change how the token is read — `crit`, `zip`, `b64` — or that
+//! carry or point to keys — `jwk`, `jku`, `x5u`, `x5c` — are refused (RFC 8725, RFC 7515).
+//! `jsonwebtoken` then checks the signature, `exp`/`nbf` with the leeway, `iss` against
+//! the key's issuer and `aud` against the gateway's audiences. The required claims are
+//! `sub`, `client_id`, `scope`, `jti` and `exp`, each of the right type; duplicate claim
+//! names are refused.
+//!
+//! A bounded cache holds tokens already verified, keyed by the whole token. It stores the
+//! verification only: expiry, revocation, the signing key still being the same, and the
+//! app's plan are checked again on every request.
+
+use std::sync::Arc;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use http::HeaderValue;
+use postern_filter_contract::{CredentialKind, Identity};
+use serde::Deserialize;
+
+use super::Reason;
+use super::store::CredentialStore;
+
+/// A token whose signature and claims were verified.
+#[derive(Debug)]
+pub struct Verified {
+    /// `jti`.
+    pub jti: Box<str>,
+    /// `sub`.
+    pub sub: Box<str>,
+    /// `client_id`.
+    pub client_id: Box<str>,
+    /// `iat`, if present.
+    pub iat: Option<u64>,
+    /// `exp`.
+    pub exp: u64,
+    /// `kid` of the key that signed it.
+    pub kid: Box<str>,
+    /// That key's fingerprint when it verified the token.
+    pub fingerprint: u64,
+    subject: HeaderValue,
+    client: HeaderValue,
+    scopes: HeaderValue,
+}
+
+/// A cache entry: the verification, and the identity made from it against one version
+/// of the credential state (apps' plans may change; the identity is remade then).
+#[derive(Debug)]
+pub struct Cached {
+    verified: Arc<Verified>,
+    identity: Arc<Identity>,
+    built_for: u64,
+}
+
+/// Verified tokens, bounded.
+pub struct TokenCache {
+    cache: quick_cache::sync::Cache<Box<str>, Arc<Cached>>,
+}
+
+impl std::fmt::Debug for TokenCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenCache").field("len", &self.cache.len()).finish()
+    }
+}
+
+impl TokenCache {
+    /// A cache of up to `capacity` tokens.
+    pub fn new(capacity: usize) -> TokenCache {
+        TokenCache { cache: quick_cache::sync::Cache::new(capacity.max(16)) }
+    }
+
+    /// Cached tokens.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+}
+
+#[derive(Deserialize)]
+struct JoseHeader<'a> {
+    #[serde(borrow)]
+    alg: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    kid: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    typ: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default)]
+    crit: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    zip: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    b64: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    jwk: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    jku: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    x5u: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    x5c: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Claims {
+    sub: String,
+    client_id: String,
+    scope: String,
+    jti: String,
+    exp: u64,
+    #[serde(default)]
+    iat: Option<u64>,
+}
+
+fn is_b64url(part: &[u8]) -> bool {
+    !part.is_empty() && part.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+fn text_value(s: &str) -> Result<HeaderValue, Reason> {
+    if s.is_empty() || s.len() > 1024 || !s.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
+        return Err(Reason::BadClaims);
+    }
+    HeaderValue::from_str(s).map_err(|_| Reason::BadClaims)
+}
+
+/// Verifies `token` cold: shape, header, signature, claims. Allocates only within the
+/// size cap.
+pub fn verify(store: &CredentialStore, token: &str, now: u64) -> Result<Verified, Reason> {
+    let limits = &store.jwt;
+    if token.len() > limits.max_token_bytes {
+        return Err(Reason::Oversized);
+    }
+    let mut parts = token.split('.');
+    let (Some(h), Some(p), Some(s), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+        return Err(Reason::Malformed);
+    };
+    if !is_b64url(h.as_bytes()) || !is_b64url(p.as_bytes()) || !is_b64url(s.as_bytes()) {
+        return Err(Reason::Malformed);
+    }
+    let header_json = URL_SAFE_NO_PAD.decode(h).map_err(|_| Reason::Malformed)?;
+    let header: JoseHeader<'_> = serde_json::from_slice(&header_json).map_err(|_| Reason::BadHeader)?;
+    if header.crit.is_some()
+        || header.zip.is_some()
+        || header.b64.is_some()
+        || header.jwk.is_some()
+        || header.jku.is_some()
+        || header.x5u.is_some()
+        || header.x5c.is_some()
+    {
+        return Err(Reason::BadHeader);
+    }
+    if let Some(typ) = &header.typ
+        && !["JWT", "at+jwt", "application/at+jwt"].iter().any(|t| t.eq_ignore_ascii_case(typ))
+    {
+        return Err(Reason::BadHeader);
+    }
+    let kid = header.kid.as_deref().ok_or(Reason::UnknownKid)?;
+    let key = store.signing_key(kid).ok_or(Reason::UnknownKid)?;
+    if header.alg != key.alg {
+        return Err(Reason::BadAlg);
+    }
+    let data = jsonwebtoken::decode::<Claims>(token, &key.key, &key.validation).map_err(|e| classify(&e))?;
+    let c = data.claims;
+    // Lifetime: not issued in the future, not longer-lived than the platform allows (which
+    // is also how long user and app deny entries live).
+    match c.iat {
+        Some(iat) => {
+            if iat > now.saturating_add(limits.leeway) {
+                return Err(Reason::NotYetValid);
+            }
+            if c.exp.saturating_sub(iat) > limits.max_lifetime {
+                return Err(Reason::TooLongLived);
+            }
+        }
+        None if c.exp > now.saturating_add(limits.max_lifetime).saturating_add(limits.leeway) => {
+            return Err(Reason::TooLongLived);
+        }
+        None => {}
+    }
+    if c.jti.is_empty() || c.jti.len() > 256 {
+        return Err(Reason::BadClaims);
+    }
+    Ok(Verified {
+        subject: text_value(&c.sub)?,
+        client: text_value(&c.client_id)?,
+        scopes: if c.scope.is_empty() { HeaderValue::from_static("") } else { text_value(&c.scope)? },
+        jti: c.jti.into(),
+        sub: c.sub.into(),
+        client_id: c.client_id.into(),
+        iat: c.iat,
+        exp: c.exp,
+        kid: kid.into(),
+        fingerprint: key.fingerprint,
+    })
+}
+
+fn classify(e: &jsonwebtoken::errors::Error) -> Reason {
+    use jsonwebtoken::errors::ErrorKind as K;
+    match e.kind() {
+        K::InvalidSignature => Reason::BadSignature,
+        K::ExpiredSignature => Reason::Expired,
+        K::ImmatureSignature => Reason::NotYetValid,
+        K::InvalidIssuer => Reason::WrongIssuer,
+        K::InvalidAudience => Reason::WrongAudience,
+        K::InvalidAlgorithm | K::MissingAlgorithm | K::InvalidAlgorithmName | K::UnsupportedAlgorithm => Reason::BadAlg,
+        K::MissingRequiredClaim(_) | K::InvalidClaimFormat(_) | K::InvalidSubject | K::Json(_) | K::Utf8(_) => {
+            Reason::BadClaims
+        }
+        K::Base64(_) | K::InvalidToken => Reason::Malformed,
+        _ => Reason::BadSignature,
+    }
+}
+
+fn identity(v: &Verified, store: &CredentialStore) -> Identity {
+    let app = store.app(&v.client_id);
+    Identity {
+        kind: CredentialKind::Jwt,
+        subject: Some(v.subject.clone()),
+        client_id: Some(v.client.clone()),
+        tenant: app.and_then(|a| a.tenant.clone()),
+        key_id: None,
+        plan: app.map(|a| a.plan.clone()),
+        scopes: v.scopes.clone(),
+    }
+}
+
+/// Checks that hold per request, cached or not: expiry, the signing key, revocation.
+fn still_valid(v: &Verified, store: &CredentialStore, now: u64) -> Result<(), Reason> {
+    if now > v.exp.saturating_add(store.jwt.leeway) {
+        return Err(Reason::Expired);
+    }
+    match store.signing_key(&v.kid) {
+        Some(k) if k.fingerprint == v.fingerprint => {}
+        _ => return Err(Reason::UnknownKid),
+    }
+    if store.deny.is_denied(&v.jti, &v.sub, &v.client_id, v.iat, now) {
+        return Err(Reason::Revoked);
+    }
+    Ok(())
+}
+
+/// Authenticates a bearer token: from the cache when it was verified before, otherwise
+/// verified and cached. Revocation and expiry apply either way.
+pub fn authenticate(
+    cache: &TokenCache,
+    store: &CredentialStore,
+    token: &str,
+    now: u64,
+) -> Result<Arc<Identity>, Reason> {
+    if token.len() > store.jwt.max_token_bytes {
+        return Err(Reason::Oversized);
+    }
+    if let Some(hit) = cache.cache.get(token) {
+        still_valid(&hit.verified, store, now)?;
+        if hit.built_for == store.version {
+            return Ok(hit.identity.clone());
+        }
+        // The credential state changed (an app's plan, say): remake the identity.
+        let fresh = Arc::new(identity(&hit.verified, store));
+        let entry = Cached { verified: hit.verified.clone(), identity: fresh.clone(), built_for: store.version };
+        cache.cache.insert(Box::from(token), Arc::new(entry));
+        return Ok(fresh);
+    }
+    let verified = verify(store, token, now)?;
+    still_valid(&verified, store, now)?;
+    let id = Arc::new(identity(&verified, store));
+    let entry = Cached { verified: Arc::new(verified), identity: id.clone(), built_for: store.version };
+    cache.cache.insert(Box::from(token), Arc::new(entry));
+    Ok(id)
+}

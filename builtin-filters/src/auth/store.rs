@@ -1,0 +1,388 @@
+//! The credential state indexed for requests: API keys by hash, signing keys by `kid`,
+//! apps by `client_id`, and the deny list. Built beside the live one and swapped whole,
+//! so a request sees one consistent state and a status change applies to the next
+//! request, on any connection.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use http::HeaderValue;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use postern_filter_contract::{CredentialKind, Identity};
+use postern_model::credentials::{Alg, Credentials, KeyStatus};
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// An API key ready for requests.
+#[derive(Debug)]
+pub struct KeyEntry {
+    /// The caller this key proves, with its header values made once.
+    pub identity: Arc<Identity>,
+    /// Revoked keys stay in the table so they are told apart from unknown ones.
+    pub active: bool,
+    /// Unix seconds after which the key stops working (`u64::MAX`: never).
+    pub expires_at: u64,
+}
+
+/// A signing key ready to verify.
+pub struct SigningEntry {
+    /// The public key.
+    pub key: DecodingKey,
+    /// Pinned algorithm, issuer, audiences, leeway.
+    pub validation: Validation,
+    /// The pinned algorithm's JOSE name.
+    pub alg: &'static str,
+    /// Changes when the key material, algorithm or issuer changes: a cached verification
+    /// holds only while its key is still the same.
+    pub fingerprint: u64,
+}
+
+impl std::fmt::Debug for SigningEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SigningEntry").field("alg", &self.alg).field("fingerprint", &self.fingerprint).finish()
+    }
+}
+
+/// An OAuth app's entitlements.
+#[derive(Debug)]
+pub struct AppEntry {
+    /// Plan.
+    pub plan: HeaderValue,
+    /// Tenant.
+    pub tenant: Option<HeaderValue>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Before {
+    issued_before: u64,
+    expires_at: u64,
+}
+
+/// Revoked tokens (by `jti`), users (`sub`) and apps (`client_id`), each entry living
+/// until every token it covers has expired.
+#[derive(Debug, Default)]
+pub struct DenyList {
+    jti: FastMap<Box<str>, u64>,
+    sub: FastMap<Box<str>, Before>,
+    client: FastMap<Box<str>, Before>,
+}
+
+impl DenyList {
+    /// Whether a token with these claims is revoked at `now`. A token without `iat`
+    /// cannot show it was issued after a user or app revocation, so it is revoked too.
+    pub fn is_denied(&self, jti: &str, sub: &str, client_id: &str, iat: Option<u64>, now: u64) -> bool {
+        if self.jti.is_empty() && self.sub.is_empty() && self.client.is_empty() {
+            return false;
+        }
+        if self.jti.get(jti).is_some_and(|&exp| now <= exp) {
+            return true;
+        }
+        let covers = |b: &Before| now <= b.expires_at && iat.is_none_or(|t| t < b.issued_before);
+        self.sub.get(sub).is_some_and(covers) || self.client.get(client_id).is_some_and(covers)
+    }
+
+    /// Live entries.
+    pub fn len(&self) -> usize {
+        self.jti.len() + self.sub.len() + self.client.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// JWT checks that do not depend on the key.
+#[derive(Debug, Clone)]
+pub struct JwtLimits {
+    /// Clock skew, seconds.
+    pub leeway: u64,
+    /// Largest token, bytes.
+    pub max_token_bytes: usize,
+    /// Longest lifetime, seconds.
+    pub max_lifetime: u64,
+}
+
+/// Everything a request needs to authenticate, immutable once built.
+#[derive(Debug)]
+pub struct CredentialStore {
+    /// The credentials file's version (0: none loaded).
+    pub version: u64,
+    keys: FastMap<[u8; 32], KeyEntry>,
+    signing: FastMap<Box<str>, SigningEntry>,
+    apps: FastMap<Box<str>, AppEntry>,
+    /// Revocations.
+    pub deny: DenyList,
+    /// Token limits.
+    pub jwt: JwtLimits,
+}
+
+/// Header values shared by many keys and apps (a tenant, a plan, a scope set) are made
+/// once; cloning them only bumps a reference count.
+#[derive(Default)]
+struct Interner(HashMap<String, HeaderValue>);
+
+impl Interner {
+    fn get(&mut self, s: &str, what: &str) -> Result<HeaderValue, String> {
+        if let Some(v) = self.0.get(s) {
+            return Ok(v.clone());
+        }
+        let v = header_value(s, what)?;
+        self.0.insert(s.to_owned(), v.clone());
+        Ok(v)
+    }
+}
+
+fn header_value(s: &str, what: &str) -> Result<HeaderValue, String> {
+    if s.is_empty() || s.len() > 1024 || !s.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
+        return Err(format!("{what} {s:?} must be 1 to 1024 printable ASCII characters"));
+    }
+    // A `Bytes`-backed value, so clones share one allocation.
+    HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(s.as_bytes())).map_err(|e| format!("{what}: {e}"))
+}
+
+fn decoding_key(alg: Alg, pem: &str) -> Result<DecodingKey, jsonwebtoken::errors::Error> {
+    match alg {
+        Alg::ES256 => DecodingKey::from_ec_pem(pem.as_bytes()),
+        Alg::RS256 => DecodingKey::from_rsa_pem(pem.as_bytes()),
+    }
+}
+
+impl CredentialStore {
+    /// No credentials: every authenticated request is refused.
+    pub fn empty() -> CredentialStore {
+        CredentialStore {
+            version: 0,
+            keys: FastMap::default(),
+            signing: FastMap::default(),
+            apps: FastMap::default(),
+            deny: DenyList::default(),
+            jwt: JwtLimits { leeway: 30, max_token_bytes: 4096, max_lifetime: 3600 },
+        }
+    }
+
+    /// Indexes `creds`; refuses the whole state if any entry is invalid, naming it.
+    /// Deny entries already expired at `now` are dropped.
+    pub fn build(version: u64, creds: &Credentials, now: u64) -> Result<CredentialStore, String> {
+        let settings = &creds.jwt;
+        if settings.max_token_bytes < 64 || settings.max_token_bytes > 64 * 1024 {
+            return Err("jwt.max_token_bytes must be 64 to 65536".into());
+        }
+        if !creds.signing_keys.is_empty() && settings.audiences.is_empty() {
+            return Err("jwt.audiences: name at least one audience when signing keys are set".into());
+        }
+        let mut names = Interner::default();
+
+        let mut signing = FastMap::default();
+        for (i, k) in creds.signing_keys.iter().enumerate() {
+            let at = format!("signing_keys[{i}] (kid {:?})", k.kid);
+            if k.kid.is_empty() || k.kid.len() > 256 {
+                return Err(format!("{at}: kid must be 1 to 256 characters"));
+            }
+            let key = decoding_key(k.alg, &k.public_key_pem)
+                .map_err(|e| format!("{at}: public_key_pem is not a {} public key: {e}", k.alg.as_str()))?;
+            let (alg, name) = match k.alg {
+                Alg::ES256 => (Algorithm::ES256, "ES256"),
+                Alg::RS256 => (Algorithm::RS256, "RS256"),
+            };
+            let mut validation = Validation::new(alg);
+            validation.leeway = settings.leeway_s;
+            validation.validate_nbf = true;
+            validation.validate_exp = true;
+            validation.set_issuer(&[k.issuer.as_str()]);
+            validation.set_audience(&settings.audiences);
+            validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+            let mut material = Vec::with_capacity(k.public_key_pem.len() + k.issuer.len() + 8);
+            material.extend_from_slice(name.as_bytes());
+            material.extend_from_slice(k.issuer.as_bytes());
+            material.push(0);
+            material.extend_from_slice(k.public_key_pem.trim().as_bytes());
+            let entry = SigningEntry { key, validation, alg: name, fingerprint: xxhash_rust::xxh3::xxh3_64(&material) };
+            if signing.insert(Box::from(k.kid.as_str()), entry).is_some() {
+                return Err(format!("{at}: kid is listed twice"));
+            }
+        }
+
+        let mut apps = FastMap::default();
+        for (client_id, app) in &creds.apps {
+            let at = format!("apps.{client_id}");
+            let plan = names.get(&app.plan, &format!("{at}.plan"))?;
+            let tenant = match &app.tenant {
+                Some(t) => Some(names.get(t, &format!("{at}.tenant"))?),
+                None => None,
+            };
+            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant });
+        }
+
+        let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());
+        for (i, k) in creds.keys.iter().enumerate() {
+            let at = || format!("keys[{i}] (id {:?})", k.id);
+            let mut hash = [0u8; 32];
+            hex::decode_to_slice(&k.sha256, &mut hash)
+                .map_err(|_| format!("{}: sha256 must be 64 hex digits", at()))?;
+            let scopes = k.scopes.join(" ");
+            let identity = Identity {
+                kind: CredentialKind::ApiKey,
+                subject: None,
+                client_id: Some(names.get(&k.app, "app").map_err(|e| format!("{}: {e}", at()))?),
+                tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| format!("{}: {e}", at()))?),
+                key_id: Some(header_value(&k.id, "id").map_err(|e| format!("{}: {e}", at()))?),
+                plan: Some(names.get(&k.plan, "plan").map_err(|e| format!("{}: {e}", at()))?),
+                scopes: if scopes.is_empty() {
+                    HeaderValue::from_static("")
+                } else {
+                    names.get(&scopes, "scopes").map_err(|e| format!("{}: {e}", at()))?
+                },
+            };
+            let entry = KeyEntry {
+                identity: Arc::new(identity),
+                active: k.status == KeyStatus::Active,
+                expires_at: k.expires_at.unwrap_or(u64::MAX),
+            };
+            if keys.insert(hash, entry).is_some() {
+                return Err(format!("{}: the same key hash is listed twice", at()));
+            }
+        }
+
+        let mut deny = DenyList::default();
+        for (i, d) in creds.deny.iter().enumerate() {
+            let at = format!("deny[{i}]");
+            let lifetime = settings.max_lifetime_s.saturating_add(settings.leeway_s);
+            match (&d.jti, &d.sub, &d.client_id) {
+                (Some(jti), None, None) => {
+                    let exp = d.expires_at.unwrap_or(now.saturating_add(lifetime));
+                    if exp >= now {
+                        let e = deny.jti.entry(Box::from(jti.as_str())).or_insert(0);
+                        *e = (*e).max(exp);
+                    }
+                }
+                (None, Some(who), None) | (None, None, Some(who)) => {
+                    let before = d.issued_before.ok_or_else(|| format!("{at}: issued_before is required"))?;
+                    let exp = d.expires_at.unwrap_or(before.saturating_add(lifetime));
+                    if exp >= now {
+                        let map = if d.sub.is_some() { &mut deny.sub } else { &mut deny.client };
+                        let e =
+                            map.entry(Box::from(who.as_str())).or_insert(Before { issued_before: 0, expires_at: 0 });
+                        e.issued_before = e.issued_before.max(before);
+                        e.expires_at = e.expires_at.max(exp);
+                    }
+                }
+                _ => return Err(format!("{at}: set exactly one of jti, sub or client_id")),
+            }
+        }
+
+        Ok(CredentialStore {
+            version,
+            keys,
+            signing,
+            apps,
+            deny,
+            jwt: JwtLimits {
+                leeway: settings.leeway_s,
+                max_token_bytes: settings.max_token_bytes,
+                max_lifetime: settings.max_lifetime_s,
+            },
+        })
+    }
+
+    /// The key with this hash.
+    pub fn key(&self, hash: &[u8; 32]) -> Option<&KeyEntry> {
+        self.keys.get(hash)
+    }
+
+    /// The signing key with this `kid`.
+    pub fn signing_key(&self, kid: &str) -> Option<&SigningEntry> {
+        self.signing.get(kid)
+    }
+
+    /// The app with this `client_id`.
+    pub fn app(&self, client_id: &str) -> Option<&AppEntry> {
+        self.apps.get(client_id)
+    }
+
+    /// Counts: keys, signing keys, apps, deny entries.
+    pub fn counts(&self) -> (usize, usize, usize, usize) {
+        (self.keys.len(), self.signing.len(), self.apps.len(), self.deny.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postern_model::credentials::DenyEntry;
+
+    fn deny(entries: Vec<DenyEntry>, now: u64) -> DenyList {
+        let mut c = Credentials::empty();
+        c.deny = entries;
+        CredentialStore::build(1, &c, now).unwrap().deny
+    }
+
+    fn entry() -> DenyEntry {
+        DenyEntry { jti: None, sub: None, client_id: None, issued_before: None, expires_at: None }
+    }
+
+    #[test]
+    fn deny_entries_cover_tokens_until_they_expire() {
+        let now = 1_000_000;
+        let d = deny(
+            vec![
+                DenyEntry { jti: Some("t1".into()), expires_at: Some(now + 60), ..entry() },
+                DenyEntry { sub: Some("alice".into()), issued_before: Some(now), ..entry() },
+                DenyEntry { client_id: Some("app-9".into()), issued_before: Some(now - 10), ..entry() },
+                DenyEntry { jti: Some("gone".into()), expires_at: Some(now - 1), ..entry() },
+            ],
+            now,
+        );
+        assert_eq!(d.len(), 3, "the expired entry is dropped");
+        assert!(d.is_denied("t1", "bob", "app", Some(now), now));
+        assert!(!d.is_denied("t1", "bob", "app", Some(now), now + 61), "the jti entry expired with its token");
+        assert!(d.is_denied("x", "alice", "app", Some(now - 1), now));
+        assert!(!d.is_denied("x", "alice", "app", Some(now), now), "issued at T is after the revocation");
+        assert!(d.is_denied("x", "alice", "app", None, now), "no iat: cannot prove it is newer");
+        assert!(d.is_denied("x", "bob", "app-9", Some(now - 11), now));
+        assert!(!d.is_denied("x", "bob", "app-9", Some(now - 10), now));
+        // The user entry lasts for the longest token lifetime plus leeway past T.
+        assert!(d.is_denied("x", "alice", "app", Some(now - 1), now + 3600 + 30));
+        assert!(!d.is_denied("x", "alice", "app", Some(now - 1), now + 3600 + 31));
+    }
+
+    #[test]
+    fn malformed_state_is_refused_whole() {
+        let mut c = Credentials::empty();
+        c.deny = vec![DenyEntry { sub: Some("a".into()), client_id: Some("b".into()), ..entry() }];
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("deny[0]"));
+        c.deny = vec![DenyEntry { sub: Some("a".into()), ..entry() }];
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("issued_before"));
+
+        let mut c = Credentials::empty();
+        c.keys = vec![postern_model::credentials::ApiKey {
+            id: "k1".into(),
+            sha256: "zz".into(),
+            app: "a".into(),
+            tenant: "t".into(),
+            plan: "p".into(),
+            scopes: vec![],
+            priority: Default::default(),
+            status: KeyStatus::Active,
+            successor: None,
+            expires_at: None,
+        }];
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("keys[0] (id \"k1\"): sha256"));
+        c.keys[0].sha256 = "ab".repeat(32);
+        c.keys[0].tenant = "bad\ntenant".into();
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("tenant"));
+        c.keys[0].tenant = "t".into();
+        c.keys.push(c.keys[0].clone());
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("twice"));
+
+        let mut c = Credentials::empty();
+        c.jwt.audiences = vec!["api".into()];
+        c.signing_keys = vec![postern_model::credentials::SigningKey {
+            kid: "k".into(),
+            alg: Alg::ES256,
+            issuer: "https://id".into(),
+            public_key_pem: "not a key".into(),
+        }];
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("signing_keys[0]"));
+    }
+}

@@ -1,0 +1,211 @@
+//! Credential state: the API key table (hashes only), the JWT signing keys, the OAuth
+//! apps' plans and the revocation deny list.
+//!
+//! This is not part of the staged snapshot: it changes in seconds (a new key, a leaked
+//! key revoked, a signing key announced) and travels on its own fast lane. On disk it is
+//! a sealed envelope like the snapshot ([`crate::SnapshotFile`]: version, content hash,
+//! exact content bytes), so a node never loads a corrupted or partial file.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{SnapshotError, SnapshotFile};
+
+/// Version of the credentials format.
+pub const CREDENTIALS_SCHEMA: u32 = 1;
+
+/// Everything a node needs to authenticate callers from memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Credentials {
+    /// Format version, [`CREDENTIALS_SCHEMA`].
+    pub schema: u32,
+    /// How access tokens are checked.
+    #[serde(default)]
+    pub jwt: JwtSettings,
+    /// Public keys that sign access tokens, by `kid`.
+    #[serde(default)]
+    pub signing_keys: Vec<SigningKey>,
+    /// OAuth apps by `client_id`: their plan and tenant.
+    #[serde(default)]
+    pub apps: BTreeMap<String, App>,
+    /// API keys, by the SHA-256 of the raw key.
+    #[serde(default)]
+    pub keys: Vec<ApiKey>,
+    /// Revoked tokens, users and apps.
+    #[serde(default)]
+    pub deny: Vec<DenyEntry>,
+}
+
+impl Credentials {
+    /// No keys, no signing keys: every credential is refused.
+    pub fn empty() -> Credentials {
+        Credentials {
+            schema: CREDENTIALS_SCHEMA,
+            jwt: JwtSettings::default(),
+            signing_keys: Vec::new(),
+            apps: BTreeMap::new(),
+            keys: Vec::new(),
+            deny: Vec::new(),
+        }
+    }
+
+    /// Parses a sealed credentials file, checking its hash and schema.
+    pub fn open(bytes: &[u8]) -> Result<(SnapshotFile, Credentials), SnapshotError> {
+        let file = SnapshotFile::open_envelope(bytes)?;
+        let creds: Credentials = serde_json::from_str(file.content.get())?;
+        if creds.schema != CREDENTIALS_SCHEMA {
+            return Err(SnapshotError::Schema(creds.schema));
+        }
+        Ok((file, creds))
+    }
+}
+
+/// Access-token checks shared by every signing key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JwtSettings {
+    /// The `aud` values this gateway accepts; a token must name one of them.
+    pub audiences: Vec<String>,
+    /// Clock skew allowed on `exp` and `nbf`, in seconds.
+    pub leeway_s: u64,
+    /// Longest token accepted, in bytes, checked before any decoding.
+    pub max_token_bytes: usize,
+    /// Longest token lifetime (`exp - iat`) accepted, in seconds; it also bounds how long
+    /// a deny entry for a user or an app has to live.
+    pub max_lifetime_s: u64,
+}
+
+impl Default for JwtSettings {
+    fn default() -> JwtSettings {
+        JwtSettings { audiences: Vec::new(), leeway_s: 30, max_token_bytes: 4096, max_lifetime_s: 3600 }
+    }
+}
+
+/// A signature algorithm, pinned per signing key (never taken from the token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Alg {
+    /// ECDSA P-256 with SHA-256.
+    ES256,
+    /// RSASSA-PKCS1-v1_5 with SHA-256.
+    RS256,
+}
+
+impl Alg {
+    /// The JOSE name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Alg::ES256 => "ES256",
+            Alg::RS256 => "RS256",
+        }
+    }
+}
+
+/// A public key that signs access tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningKey {
+    /// Key id, matched against the token header's `kid`.
+    pub kid: String,
+    /// The only algorithm accepted with this key.
+    pub alg: Alg,
+    /// The issuer (`iss`) whose tokens this key signs.
+    pub issuer: String,
+    /// SubjectPublicKeyInfo PEM (`-----BEGIN PUBLIC KEY-----`).
+    pub public_key_pem: String,
+}
+
+/// Request priority class, from the caller's plan (used for load shedding).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Partner and enterprise writes.
+    Critical,
+    /// Paid plans.
+    #[default]
+    Standard,
+    /// Free plans.
+    Free,
+    /// Bulk exports, analytics, retries.
+    Sheddable,
+}
+
+/// An OAuth app (`client_id`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct App {
+    /// The app's plan.
+    pub plan: String,
+    /// The tenant (developer organisation) that owns the app.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Priority class.
+    #[serde(default)]
+    pub priority: Priority,
+}
+
+/// Whether an API key works.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyStatus {
+    /// Accepted.
+    #[default]
+    Active,
+    /// Refused for good (leaked, deleted).
+    Revoked,
+}
+
+/// One API key. Only its SHA-256 is known; the raw key was shown once, at creation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKey {
+    /// Key id (not secret), sent to backends as `x-auth-key-id`.
+    pub id: String,
+    /// Lowercase hex SHA-256 of the whole raw key.
+    pub sha256: String,
+    /// The app the key belongs to (sent as `x-auth-client-id`).
+    pub app: String,
+    /// The tenant that owns the app.
+    pub tenant: String,
+    /// The plan (entitlements: which API products the key may call).
+    pub plan: String,
+    /// Granted scopes.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+    /// Priority class.
+    #[serde(default)]
+    pub priority: Priority,
+    /// Active or revoked.
+    #[serde(default)]
+    pub status: KeyStatus,
+    /// The key that replaces this one, during a rotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub successor: Option<String>,
+    /// Unix seconds after which the key stops working (the end of a rotation's overlap).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+}
+
+/// A revocation. Exactly one of `jti`, `sub` or `client_id` is set; `sub` and
+/// `client_id` entries revoke every token issued before `issued_before`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DenyEntry {
+    /// One token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jti: Option<String>,
+    /// Every token of one user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sub: Option<String>,
+    /// Every token of one app.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_id: Option<String>,
+    /// Unix seconds: tokens issued (`iat`) before this are revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_before: Option<u64>,
+    /// Unix seconds when every token the entry covers has expired, so the entry can go.
+    /// Defaults to `issued_before` plus the longest token lifetime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+}

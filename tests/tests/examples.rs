@@ -1,0 +1,102 @@
+//! The demo config repository (`examples/config`) compiled and served with all four
+//! example filters on their demo routes, with real credentials. Alone in its binary: it
+//! starts many processes, which must not steal time from the hostile-filter tests' tight
+//! deadlines.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use http::{Method, StatusCode};
+use postern_e2e::{Echo, Node, Repo, get};
+
+fn hmac_sha256(key: &[u8], msg: &[u8]) -> String {
+    use sha2::Digest;
+    let mut k = [0u8; 64];
+    k[..key.len()].copy_from_slice(key);
+    let inner: Vec<u8> = k.iter().map(|b| b ^ 0x36).chain(msg.iter().copied()).collect();
+    let ih = sha2::Sha256::digest(&inner);
+    let outer: Vec<u8> = k.iter().map(|b| b ^ 0x5c).chain(ih.iter().copied()).collect();
+    hex::encode(sha2::Sha256::digest(&outer))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn example_filters_on_the_demo_routes() {
+    let echos = [Echo::start("echo"), Echo::start("orders-v1"), Echo::start("orders-v2")];
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    postern_e2e::prepare_example_config(&config, &echos.iter().map(Echo::addr).collect::<Vec<_>>());
+    // API keys: one per tenant for the allow-list, one per app for the A/B tagger.
+    let acme = postern_e2e::new_key(&config, "acme-1", "demo-app", "acme", "partner", &[]);
+    let initech = postern_e2e::new_key(&config, "initech-1", "free-app", "initech", "free", &[]);
+    let callers: Vec<String> = (0..20)
+        .map(|i| {
+            postern_e2e::new_key(&config, &format!("c-{i}"), &format!("caller-{i}"), "t", "partner", &["orders:read"])
+        })
+        .collect();
+    let repo = Repo { dir: tempfile::tempdir().unwrap() };
+    let snap = repo.path().join("snapshot.json");
+    let out = std::process::Command::new(postern_e2e::bin("posternctl"))
+        .arg("compile")
+        .arg(&config)
+        .arg("-o")
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let node = Node::start(&snap, &[]);
+
+    // header-injector: request header set, client header removed, response tagged.
+    let r = get(&node.url("/v1/echo/hi"), &[("x-debug", "1")]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.echoed("x-demo").as_deref(), Some("injected-by-wasm"));
+    assert!(r.echoed("x-debug").is_none());
+    assert_eq!(r.header("x-filter"), Some("header-injector"));
+
+    // tenant-allowlist reads the verified identity: a tenant off the list gets 403 and
+    // nothing is forwarded; one on it goes through; without credentials, 401 first.
+    let before = echos[0].count().await;
+    let r = get(&node.url("/v1/echo/tenants/x"), &[("x-api-key", &initech)]).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.json()["code"], "tenant_not_allowed");
+    let r = get(&node.url("/v1/echo/tenants/x"), &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(echos[0].count().await, before);
+    let r = get(&node.url("/v1/echo/tenants/x"), &[("x-api-key", &acme)]).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.echoed("x-auth-tenant").as_deref(), Some("acme"));
+
+    // hmac-verifier on the partner pool: unsigned 401, signed 200.
+    let url = node.partner_url("/partner/v1/webhooks");
+    let r = postern_e2e::send(Method::POST, &url, &[], "{}").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.json()["code"], "invalid_signature");
+    let sig = format!("sha256={}", hmac_sha256(b"demo-webhook-secret", b"1767225600.POST./partner/v1/webhooks"));
+    let r = postern_e2e::send(Method::POST, &url, &[("x-timestamp", "1767225600"), ("x-signature", &sig)], "{}").await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let bad = format!("sha256={}", hmac_sha256(b"wrong-secret", b"1767225600.POST./partner/v1/webhooks"));
+    let r = postern_e2e::send(Method::POST, &url, &[("x-timestamp", "1767225600"), ("x-signature", &bad)], "{}").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    // The route buffers small bodies, so the verifier's body phase checks the body too.
+    let body = r#"{"event":"paid"}"#;
+    let body_sig = format!("sha256={}", hmac_sha256(b"demo-webhook-secret", format!("1767225600.{body}").as_bytes()));
+    let headers =
+        [("x-timestamp", "1767225600"), ("x-signature", sig.as_str()), ("x-signature-body", body_sig.as_str())];
+    let r = postern_e2e::send(Method::POST, &url, &headers, body).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["body"], body, "the buffered body is forwarded whole");
+    let tampered =
+        [("x-timestamp", "1767225600"), ("x-signature", sig.as_str()), ("x-signature-body", body_sig.as_str())];
+    let r = postern_e2e::send(Method::POST, &url, &tampered, r#"{"event":"refunded"}"#).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    // ab-tagger: a stable arm per calling app (the verified x-auth-client-id).
+    let mut arms = std::collections::BTreeSet::new();
+    for (i, key) in callers.iter().enumerate() {
+        let first = get(&node.url("/v2/orders/1"), &[("x-api-key", key)]).await;
+        let second = get(&node.url("/v2/orders/1"), &[("x-api-key", key)]).await;
+        assert_eq!((first.status, second.status), (StatusCode::OK, StatusCode::OK), "{first:?} {second:?}");
+        let (a, b) = (first.echoed("x-experiment"), second.echoed("x-experiment"));
+        assert_eq!(a, b, "caller {i} changed arm");
+        arms.insert(a.expect("tagged"));
+    }
+    assert_eq!(arms.into_iter().collect::<Vec<_>>(), vec!["checkout=a".to_owned(), "checkout=b".to_owned()]);
+}
