@@ -28,8 +28,28 @@ cat > "$work/repo/platform/ownership.yaml" <<'Y'
 owners:
   - { host: "*", pathPrefix: /, team: bench }
 Y
+cat > "$work/repo/platform/plans.yaml" <<'Y'
+scopes: [orders:read]
+products: [orders]
+plans:
+  partner: { products: [orders] }
+Y
+# Credentials: a signing key (ES256) and an API key, made the way the demo makes them.
+ctl="$root/target/release/posternctl"
+"$ctl" token keygen --kid bench-1 --issuer https://id.example.com --private-out "$work/signing.pem" > "$work/signing.yaml"
+{ echo "jwt: { audiences: [api.example.com] }"; echo "apps: { bench-app: { plan: partner, tenant: acme } }";
+  echo "signing_keys:"; cat "$work/signing.yaml"; } > "$work/repo/platform/auth.yaml"
+key=$("$ctl" key new "$work/repo" --id bench-key --app bench-app --tenant acme --plan partner --scope orders:read)
+jwt=$("$ctl" token mint --key "$work/signing.pem" --kid bench-1 --issuer https://id.example.com \
+  --audience api.example.com --sub alice --client-id bench-app --scope orders:read --ttl 60m)
 cat > "$work/repo/teams/bench/routes.yaml" <<'Y'
 routes:
+  - name: orders-authenticated
+    match: { path: { type: PathPrefix, value: /v1/auth } }
+    auth: { methods: [apiKey, jwt], scopes: [orders:read], product: orders }
+    backendRefs: [{ name: orders }]
+    timeouts: { connect: 1s, response: 5s }
+    rewrite: { replacePrefixMatch: /v1/orders }
   - name: orders
     public: true
     match: { path: { type: PathPrefix, value: /v1/orders } }
@@ -53,7 +73,7 @@ routes:
       - name: header-injector
         config: { set: { x-bench: "1" } }
 Y
-"$root/target/release/posternctl" compile "$work/repo" -o "$work/snapshot.json" >&2
+"$ctl" compile "$work/repo" -o "$work/snapshot.json" >&2
 POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/snapshot.json" \
   --public 127.0.0.1:18090 --partner 127.0.0.1:18091 --admin 127.0.0.1:18092 --workers 1 &
 pid=$!
@@ -62,3 +82,33 @@ sleep 0.5
 bash "$peers" "postern=http://127.0.0.1:18090/v1/orders/1=$pid" \
   "postern+hdr=http://127.0.0.1:18090/v1/hdr/1=$pid" \
   "postern+wasm=http://127.0.0.1:18090/v1/wasm/1=$pid"
+
+# Authenticated requests need a header, which the peer harness does not send: the same
+# measurement (wrk on CPU 0 against the same nginx backend, postern's CPU time per
+# request from /proc), for postern without and with an API key or a JWT.
+peers_dir=$(dirname "$peers")
+sed "s#@WORK@#$work#g" "$peers_dir/backend.conf" > "$work/backend.conf"
+taskset -c 0 nginx -c "$work/backend.conf" -g "pid $work/b.pid;" &
+backend=$!
+trap 'kill $pid $backend 2>/dev/null; rm -rf "$work"' EXIT
+sleep 0.5
+bench_h() { # name url [header]
+  local before after out rps p50 p99 reqs cpu
+  before=$(awk '{print $14+$15}' /proc/$pid/stat)
+  if [ -n "${3:-}" ]; then
+    out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-10s}" --latency -H "$3" "$2" 2>&1)
+  else
+    out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-10s}" --latency "$2" 2>&1)
+  fi
+  after=$(awk '{print $14+$15}' /proc/$pid/stat)
+  rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  reqs=$(echo "$out" | awk '/requests in/ {print $1}')
+  p50=$(echo "$out" | awk '$1=="50%" {print $2}')
+  p99=$(echo "$out" | awk '$1=="99%" {print $2}')
+  non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
+  cpu=$(awk -v t=$((after-before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" 'BEGIN{ if (r>0 && t>0) printf "%.2f", t/hz/r*1e6; else print "-" }')
+  printf '%-14s rps=%-9s p50=%-8s p99=%-8s cpu_us_per_req=%s%s\n' "$1" "$rps" "$p50" "$p99" "$cpu" "${non2xx:+ non2xx=$non2xx}"
+}
+bench_h postern "http://127.0.0.1:18090/v1/orders/1"
+bench_h postern+apikey "http://127.0.0.1:18090/v1/auth/1" "x-api-key: $key"
+bench_h postern+jwt "http://127.0.0.1:18090/v1/auth/1" "authorization: Bearer $jwt"

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use postern_wasm::runtime::types;
-use postern_wasm::{FilterStats, Limits, Runtime, RuntimeConfig};
+use postern_wasm::{Binding, FilterStats, Limits, Runtime, RuntimeConfig};
 
 /// One request to run a filter on.
 #[derive(Debug, Clone)]
@@ -84,19 +84,12 @@ pub fn run(
         v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
         v
     };
-    let first = rt.block_on(runtime.on_request(
-        &m,
-        &limits,
-        config.clone(),
-        stats.clone(),
-        tag.clone(),
-        wit_req.clone(),
-        cx.clone(),
-    ));
+    let binding = Binding { module: m.clone(), limits, config, stats, tag };
+    let first = rt.block_on(runtime.on_request(&binding, wit_req.clone(), cx.clone()));
     let forwarded = matches!(first.result, Ok(types::Decision::Continue(_)));
     let mut phases = vec![report("request", first)];
     if let (true, Some(body)) = (forwarded, &req.body) {
-        let call = rt.block_on(runtime.on_request_body(&m, &limits, config, stats, tag, wit_req, body.clone(), cx));
+        let call = rt.block_on(runtime.on_request_body(&binding, wit_req, body, cx));
         phases.push(report("request_body", call));
     }
     let failed = phases.iter().any(|p| p["decision"] == "failed");

@@ -6,8 +6,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey, RSA_PKCS1_2048_8192_SHA256};
 use http::HeaderValue;
-use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use jsonwebtoken::DecodingKey;
 use postern_filter_contract::{CredentialKind, Identity};
 use postern_model::credentials::{Alg, Credentials, KeyStatus};
 
@@ -24,14 +25,15 @@ pub struct KeyEntry {
     pub expires_at: u64,
 }
 
-/// A signing key ready to verify.
+/// A signing key ready to verify: parsed and checked once, here, rather than on every
+/// verification.
 pub struct SigningEntry {
-    /// The public key.
-    pub key: DecodingKey,
-    /// Pinned algorithm, issuer, audiences, leeway.
-    pub validation: Validation,
+    /// The public key, with its pinned algorithm.
+    pub key: ParsedPublicKey,
     /// The pinned algorithm's JOSE name.
     pub alg: &'static str,
+    /// The only `iss` accepted with this key.
+    pub issuer: Box<str>,
     /// Changes when the key material, algorithm or issuer changes: a cached verification
     /// holds only while its key is still the same.
     pub fingerprint: u64,
@@ -115,12 +117,14 @@ pub struct CredentialStore {
     pub deny: DenyList,
     /// Token limits.
     pub jwt: JwtLimits,
+    /// The `aud` values accepted.
+    pub audiences: Vec<Box<str>>,
 }
 
 /// Header values shared by many keys and apps (a tenant, a plan, a scope set) are made
 /// once; cloning them only bumps a reference count.
 #[derive(Default)]
-struct Interner(HashMap<String, HeaderValue>);
+struct Interner(FastMap<String, HeaderValue>);
 
 impl Interner {
     fn get(&mut self, s: &str, what: &str) -> Result<HeaderValue, String> {
@@ -141,11 +145,16 @@ fn header_value(s: &str, what: &str) -> Result<HeaderValue, String> {
     HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(s.as_bytes())).map_err(|e| format!("{what}: {e}"))
 }
 
-fn decoding_key(alg: Alg, pem: &str) -> Result<DecodingKey, jsonwebtoken::errors::Error> {
-    match alg {
-        Alg::ES256 => DecodingKey::from_ec_pem(pem.as_bytes()),
-        Alg::RS256 => DecodingKey::from_rsa_pem(pem.as_bytes()),
-    }
+/// The key in `pem` (SubjectPublicKeyInfo), parsed for `alg` (`jsonwebtoken` reads the
+/// PEM; aws-lc checks the key once, e.g. that an EC point is on the curve).
+fn parse_key(alg: Alg, pem: &str) -> Result<ParsedPublicKey, String> {
+    let (key, verification): (_, &'static dyn aws_lc_rs::signature::VerificationAlgorithm) = match alg {
+        Alg::ES256 => (DecodingKey::from_ec_pem(pem.as_bytes()), &ECDSA_P256_SHA256_FIXED),
+        Alg::RS256 => (DecodingKey::from_rsa_pem(pem.as_bytes()), &RSA_PKCS1_2048_8192_SHA256),
+    };
+    let key = key.map_err(|e| e.to_string())?;
+    let bytes = key.try_get_as_bytes().map_err(|e| e.to_string())?;
+    ParsedPublicKey::new(verification, bytes).map_err(|e| e.to_string())
 }
 
 impl CredentialStore {
@@ -158,6 +167,7 @@ impl CredentialStore {
             apps: FastMap::default(),
             deny: DenyList::default(),
             jwt: JwtLimits { leeway: 30, max_token_bytes: 4096, max_lifetime: 3600 },
+            audiences: Vec::new(),
         }
     }
 
@@ -179,25 +189,23 @@ impl CredentialStore {
             if k.kid.is_empty() || k.kid.len() > 256 {
                 return Err(format!("{at}: kid must be 1 to 256 characters"));
             }
-            let key = decoding_key(k.alg, &k.public_key_pem)
+            let key = parse_key(k.alg, &k.public_key_pem)
                 .map_err(|e| format!("{at}: public_key_pem is not a {} public key: {e}", k.alg.as_str()))?;
-            let (alg, name) = match k.alg {
-                Alg::ES256 => (Algorithm::ES256, "ES256"),
-                Alg::RS256 => (Algorithm::RS256, "RS256"),
-            };
-            let mut validation = Validation::new(alg);
-            validation.leeway = settings.leeway_s;
-            validation.validate_nbf = true;
-            validation.validate_exp = true;
-            validation.set_issuer(&[k.issuer.as_str()]);
-            validation.set_audience(&settings.audiences);
-            validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+            if k.issuer.is_empty() {
+                return Err(format!("{at}: issuer is required"));
+            }
+            let name = k.alg.as_str();
             let mut material = Vec::with_capacity(k.public_key_pem.len() + k.issuer.len() + 8);
             material.extend_from_slice(name.as_bytes());
             material.extend_from_slice(k.issuer.as_bytes());
             material.push(0);
             material.extend_from_slice(k.public_key_pem.trim().as_bytes());
-            let entry = SigningEntry { key, validation, alg: name, fingerprint: xxhash_rust::xxh3::xxh3_64(&material) };
+            let entry = SigningEntry {
+                key,
+                alg: name,
+                issuer: Box::from(k.issuer.as_str()),
+                fingerprint: xxhash_rust::xxh3::xxh3_64(&material),
+            };
             if signing.insert(Box::from(k.kid.as_str()), entry).is_some() {
                 return Err(format!("{at}: kid is listed twice"));
             }
@@ -215,12 +223,22 @@ impl CredentialStore {
         }
 
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());
+        let mut last_scopes: (Vec<String>, HeaderValue) = (Vec::new(), HeaderValue::from_static(""));
         for (i, k) in creds.keys.iter().enumerate() {
             let at = || format!("keys[{i}] (id {:?})", k.id);
             let mut hash = [0u8; 32];
             hex::decode_to_slice(&k.sha256, &mut hash)
                 .map_err(|_| format!("{}: sha256 must be 64 hex digits", at()))?;
-            let scopes = k.scopes.join(" ");
+            // Keys share few scope sets: join only when the set differs from the last one.
+            if k.scopes != last_scopes.0 {
+                let joined = k.scopes.join(" ");
+                let value = if joined.is_empty() {
+                    HeaderValue::from_static("")
+                } else {
+                    names.get(&joined, "scopes").map_err(|e| format!("{}: {e}", at()))?
+                };
+                last_scopes = (k.scopes.clone(), value);
+            }
             let identity = Identity {
                 kind: CredentialKind::ApiKey,
                 subject: None,
@@ -228,11 +246,7 @@ impl CredentialStore {
                 tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| format!("{}: {e}", at()))?),
                 key_id: Some(header_value(&k.id, "id").map_err(|e| format!("{}: {e}", at()))?),
                 plan: Some(names.get(&k.plan, "plan").map_err(|e| format!("{}: {e}", at()))?),
-                scopes: if scopes.is_empty() {
-                    HeaderValue::from_static("")
-                } else {
-                    names.get(&scopes, "scopes").map_err(|e| format!("{}: {e}", at()))?
-                },
+                scopes: last_scopes.1.clone(),
             };
             let entry = KeyEntry {
                 identity: Arc::new(identity),
@@ -282,6 +296,7 @@ impl CredentialStore {
                 max_token_bytes: settings.max_token_bytes,
                 max_lifetime: settings.max_lifetime_s,
             },
+            audiences: settings.audiences.iter().map(|a| Box::from(a.as_str())).collect(),
         })
     }
 

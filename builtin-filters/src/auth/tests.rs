@@ -187,6 +187,12 @@ fn a_jwt_authenticates_with_either_pinned_algorithm() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(f.auth.tokens.len(), 1);
 
+    // Within the 30 s leeway: just expired, not quite valid yet.
+    let mut edge = claims("dave");
+    edge["exp"] = json!(now() - 10);
+    edge["nbf"] = json!(now() + 10);
+    assert_eq!(run(&filter, &[("authorization", &bearer(&es256(&edge)))]).0, StatusCode::OK);
+
     let rs = sign(&json!({"alg": "RS256", "kid": "r1"}), &claims("bob"), Algorithm::RS256, RSA_PRIVATE);
     let (status, h, ..) = run(&filter, &[("authorization", &bearer(&rs))]);
     assert_eq!(status, StatusCode::OK);
@@ -286,8 +292,8 @@ fn every_bad_token_class_is_a_401_with_the_same_shape() {
             sign(&hdr(json!({})), &good, Algorithm::ES256, &other_ec_key()),
             Reason::BadSignature,
         ),
-        ("expired", es256(&with("exp", json!(t - 31))), Reason::Expired),
-        ("not yet valid", es256(&with("nbf", json!(t + 31))), Reason::NotYetValid),
+        ("expired (past the 30 s leeway)", es256(&with("exp", json!(t - 45))), Reason::Expired),
+        ("not yet valid (past the 30 s leeway)", es256(&with("nbf", json!(t + 45))), Reason::NotYetValid),
         ("issued in the future", es256(&with("iat", json!(t + 120))), Reason::NotYetValid),
         ("lives too long", es256(&with("exp", json!(t + 7200))), Reason::TooLongLived),
         ("wrong issuer", es256(&with("iss", json!("https://evil.example"))), Reason::WrongIssuer),

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use postern_wasm::Binding;
 use postern_wasm::runtime::types;
 use postern_wasm::{FilterStats, Limits, Runtime, RuntimeConfig};
 
@@ -41,23 +42,20 @@ fn bench(c: &mut Criterion) {
 
     for metering in [true, false] {
         let runtime = Runtime::new(&RuntimeConfig { metering, max_instances: 64, ..Default::default() }).unwrap();
-        let trivial = runtime.load(&std::fs::read(module_path("well_behaved")).unwrap(), None).unwrap();
-        let hmac = runtime.load(&std::fs::read(module_path("hmac_verifier")).unwrap(), None).unwrap();
-        let none: Arc<[u8]> = Arc::from(&b""[..]);
-        let hmac_cfg: Arc<[u8]> = Arc::from(&br#"{"secret":"bench-secret"}"#[..]);
+        let bind = |module: &str, config: &'static [u8]| Binding {
+            module: runtime.load(&std::fs::read(module_path(module)).unwrap(), None).unwrap(),
+            limits,
+            config: Arc::from(config),
+            stats: stats.clone(),
+            tag: tag.clone(),
+        };
+        let trivial = bind("well_behaved", b"");
+        let hmac = bind("hmac_verifier", br#"{"secret":"bench-secret"}"#);
         let suffix = if metering { "metered" } else { "unmetered" };
 
         c.bench_function(&format!("trivial_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(
-                    &trivial,
-                    &limits,
-                    none.clone(),
-                    stats.clone(),
-                    tag.clone(),
-                    request(Vec::new()),
-                    context(),
-                ));
+                let call = rt.block_on(runtime.on_request(&trivial, request(Vec::new()), context()));
                 assert!(call.result.is_ok());
                 black_box(call.fuel)
             })
@@ -66,15 +64,7 @@ fn bench(c: &mut Criterion) {
             vec![("x-timestamp".to_owned(), b"1767225600".to_vec()), ("x-signature".to_owned(), b"sha256=00".to_vec())];
         c.bench_function(&format!("hmac_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(
-                    &hmac,
-                    &limits,
-                    hmac_cfg.clone(),
-                    stats.clone(),
-                    tag.clone(),
-                    request(signed.clone()),
-                    context(),
-                ));
+                let call = rt.block_on(runtime.on_request(&hmac, request(signed.clone()), context()));
                 assert!(call.result.is_ok());
                 black_box(call.fuel)
             })

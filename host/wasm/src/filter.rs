@@ -17,7 +17,7 @@ use postern_filter_contract::{Context, Filter, Flow, Problem, Reply, RequestHead
 use serde::{Deserialize, Serialize};
 
 use crate::limits::Limits;
-use crate::runtime::{Module, Runtime, types};
+use crate::runtime::{Binding, Module, Runtime, types};
 use crate::stats::{FilterStats, Outcome};
 
 /// What happens to the request when the filter fails.
@@ -94,17 +94,14 @@ pub struct Attachment {
 /// A built Wasm filter for one route.
 pub struct WasmFilter {
     runtime: Arc<Runtime>,
-    module: Arc<Module>,
+    binding: Binding,
     attachment: Attachment,
-    config: Arc<[u8]>,
-    tag: Arc<str>,
-    stats: Arc<FilterStats>,
     quarantine: Quarantine,
 }
 
 impl std::fmt::Debug for WasmFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmFilter").field("tag", &self.tag).finish_non_exhaustive()
+        f.debug_struct("WasmFilter").field("tag", &self.binding.tag).finish_non_exhaustive()
     }
 }
 
@@ -122,7 +119,8 @@ impl WasmFilter {
             v => Arc::from(serde_json::to_vec(v).unwrap_or_default()),
         };
         let tag: Arc<str> = Arc::from(format!("{}@{}", attachment.name, route_id));
-        WasmFilter { runtime, module, attachment, config, tag, stats, quarantine: Quarantine::default() }
+        let binding = Binding { module, limits: attachment.limits, config, stats, tag };
+        WasmFilter { runtime, binding, attachment, quarantine: Quarantine::default() }
     }
 
     fn quarantined(&self) -> bool {
@@ -142,9 +140,9 @@ impl WasmFilter {
             self.quarantine.until_ms.store(now_ms() + p.quarantine_secs * 1000, Ordering::Relaxed);
             self.quarantine.calls.store(0, Ordering::Relaxed);
             self.quarantine.failures.store(0, Ordering::Relaxed);
-            self.stats.quarantines.fetch_add(1, Ordering::Relaxed);
+            self.binding.stats.quarantines.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
-                filter = &*self.tag,
+                filter = &*self.binding.tag,
                 failures,
                 calls,
                 quarantine_secs = p.quarantine_secs,
@@ -202,18 +200,13 @@ impl WasmFilter {
     /// Runs the request phase, or with `body` the body phase, and applies the decision.
     async fn request(&self, req: &mut RequestHead, body: Option<&[u8]>, cx: &Context) -> Result<(), Reply> {
         if self.quarantined() {
-            self.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
+            self.binding.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
             return self.fail(Outcome::Quarantined);
         }
-        let (limits, config, stats, tag) =
-            (&self.attachment.limits, self.config.clone(), self.stats.clone(), self.tag.clone());
         let wit_req = Self::wit_request(req);
         let call = match body {
-            None => self.runtime.on_request(&self.module, limits, config, stats, tag, wit_req, Self::context(cx)).await,
-            Some(b) => {
-                let (module, cx) = (&self.module, Self::context(cx));
-                self.runtime.on_request_body(module, limits, config, stats, tag, wit_req, b.to_vec(), cx).await
-            }
+            None => self.runtime.on_request(&self.binding, wit_req, Self::context(cx)).await,
+            Some(b) => self.runtime.on_request_body(&self.binding, wit_req, b, Self::context(cx)).await,
         };
         let outcome = match call.result {
             Err(o) => Err(o),
@@ -224,7 +217,7 @@ impl WasmFilter {
         };
         match outcome {
             Ok(reply) => {
-                self.stats.record(Outcome::Ok, call.fuel, call.took);
+                self.binding.stats.record(Outcome::Ok, call.fuel, call.took);
                 self.judge(false);
                 match reply {
                     Some(r) => Err(r),
@@ -232,9 +225,9 @@ impl WasmFilter {
                 }
             }
             Err(kind) => {
-                self.stats.record(kind, call.fuel, call.took);
+                self.binding.stats.record(kind, call.fuel, call.took);
                 self.judge(true);
-                tracing::debug!(filter = &*self.tag, outcome = kind.as_str(), "filter failed");
+                tracing::debug!(filter = &*self.binding.tag, outcome = kind.as_str(), "filter failed");
                 self.fail(kind)
             }
         }
@@ -245,18 +238,7 @@ impl WasmFilter {
             return;
         }
         let head = types::ResponseHead { status: resp.status.as_u16(), headers: fields(&resp.headers) };
-        let call = self
-            .runtime
-            .on_response(
-                &self.module,
-                &self.attachment.limits,
-                self.config.clone(),
-                self.stats.clone(),
-                self.tag.clone(),
-                head,
-                Self::context(cx),
-            )
-            .await;
+        let call = self.runtime.on_response(&self.binding, head, Self::context(cx)).await;
         let result = call.result.and_then(|edits| {
             let limits = &self.attachment.limits;
             check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
@@ -266,10 +248,10 @@ impl WasmFilter {
             Ok(())
         });
         match result {
-            Ok(()) => self.stats.record(Outcome::Ok, call.fuel, call.took),
+            Ok(()) => self.binding.stats.record(Outcome::Ok, call.fuel, call.took),
             Err(kind) => {
                 // The response is already on its way; a failing response phase leaves it as it was.
-                self.stats.record(kind, call.fuel, call.took);
+                self.binding.stats.record(kind, call.fuel, call.took);
                 self.judge(true);
             }
         }

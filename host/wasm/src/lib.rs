@@ -15,5 +15,5 @@ pub mod stats;
 
 pub use filter::{Attachment, FailurePolicy, WasmFilter};
 pub use limits::Limits;
-pub use runtime::{LoadError, Module, Runtime, RuntimeConfig, digest};
+pub use runtime::{Binding, LoadError, Module, Runtime, RuntimeConfig, digest};
 pub use stats::{FilterStats, Outcome};

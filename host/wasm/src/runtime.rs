@@ -259,6 +259,22 @@ impl Drop for Runtime {
 }
 
 /// `sha256:<hex>` of `bytes`.
+/// One attachment's side of every call: the module, its limits, its config bytes, its
+/// counters and its log tag. Made once per attachment; each call borrows it.
+#[derive(Debug, Clone)]
+pub struct Binding {
+    /// The loaded module.
+    pub module: Arc<Module>,
+    /// Fuel, memory, deadline and output limits.
+    pub limits: Limits,
+    /// The attachment's config, returned by the `config` import.
+    pub config: Arc<[u8]>,
+    /// Counters fed by the `counter-add` import and the outcomes.
+    pub stats: Arc<FilterStats>,
+    /// `filter@route`, for logs.
+    pub tag: Arc<str>,
+}
+
 pub fn digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
@@ -355,7 +371,8 @@ impl Runtime {
         Ok(module)
     }
 
-    fn store(&self, limits: &Limits, config: Arc<[u8]>, stats: Arc<FilterStats>, tag: Arc<str>) -> Store<State> {
+    fn store(&self, b: &Binding) -> Store<State> {
+        let (limits, config, stats, tag) = (&b.limits, b.config.clone(), b.stats.clone(), b.tag.clone());
         let state = State {
             table: ResourceTable::new(),
             wasi: None,
@@ -387,77 +404,44 @@ impl Runtime {
         store
     }
 
-    async fn run<T, F>(
-        &self,
-        module: &Module,
-        limits: &Limits,
-        config: Arc<[u8]>,
-        stats: Arc<FilterStats>,
-        tag: Arc<str>,
-        f: F,
-    ) -> Call<T>
+    async fn run<T, F>(&self, b: &Binding, f: F) -> Call<T>
     where
         F: AsyncFnOnce(&bindings::Filter, &mut Store<State>) -> wasmtime::Result<T>,
     {
         let start = Instant::now();
-        let mut store = self.store(limits, config, stats, tag);
-        let result = match module.pre.instantiate_async(&mut store).await {
+        let mut store = self.store(b);
+        let result = match b.module.pre.instantiate_async(&mut store).await {
             Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
             Ok(instance) => f(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap)),
         };
-        let fuel = if self.metering { limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+        let fuel = if self.metering { b.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
         Call { result, fuel, took: start.elapsed() }
     }
 
     /// Runs the request phase in a fresh instance.
-    #[allow(clippy::too_many_arguments)] // one call's whole binding, passed by the adapter
-    pub async fn on_request(
-        &self,
-        module: &Module,
-        limits: &Limits,
-        config: Arc<[u8]>,
-        stats: Arc<FilterStats>,
-        tag: Arc<str>,
-        req: types::Request,
-        cx: types::Context,
-    ) -> Call<types::Decision> {
-        self.run(module, limits, config, stats, tag, async |inst, store| inst.call_on_request(store, &req, &cx).await)
-            .await
+    pub async fn on_request(&self, b: &Binding, req: types::Request, cx: types::Context) -> Call<types::Decision> {
+        self.run(b, async |inst, store| inst.call_on_request(store, &req, &cx).await).await
     }
 
     /// Runs the request body phase in a fresh instance.
-    #[allow(clippy::too_many_arguments)]
     pub async fn on_request_body(
         &self,
-        module: &Module,
-        limits: &Limits,
-        config: Arc<[u8]>,
-        stats: Arc<FilterStats>,
-        tag: Arc<str>,
+        b: &Binding,
         req: types::Request,
-        body: Vec<u8>,
+        body: &[u8],
         cx: types::Context,
     ) -> Call<types::Decision> {
-        self.run(module, limits, config, stats, tag, async |inst, store| {
-            inst.call_on_request_body(store, &req, &body, &cx).await
-        })
-        .await
+        self.run(b, async |inst, store| inst.call_on_request_body(store, &req, body, &cx).await).await
     }
 
     /// Runs the response phase in a fresh instance.
-    #[allow(clippy::too_many_arguments)]
     pub async fn on_response(
         &self,
-        module: &Module,
-        limits: &Limits,
-        config: Arc<[u8]>,
-        stats: Arc<FilterStats>,
-        tag: Arc<str>,
+        b: &Binding,
         resp: types::ResponseHead,
         cx: types::Context,
     ) -> Call<types::ResponseEdits> {
-        self.run(module, limits, config, stats, tag, async |inst, store| inst.call_on_response(store, &resp, &cx).await)
-            .await
+        self.run(b, async |inst, store| inst.call_on_response(store, &resp, &cx).await).await
     }
 }
 
