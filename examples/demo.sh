@@ -74,6 +74,7 @@ http://127.0.0.1:8081, admin http://127.0.0.1:9901. Try, in another terminal:
   curl -i -H "x-api-key: $PARTNER_KEY" -H 'api-version: 2026-06-01' http://127.0.0.1:8080/v1/orders/42   # dated version -> orders-v2
   curl -s -H "x-api-key: $PARTNER_KEY" http://127.0.0.1:8080/v2/orders/1 | grep -E 'backend|x-experiment' -A1   # sticky 90/10 canary + Wasm A/B tagger
   curl -i -H "x-api-key: $FREE_KEY" http://127.0.0.1:8080/v1/echo/tenants/x  # Wasm tenant allow-list on the verified tenant: 403 for initech
+  for i in 1 2 3 4 5 6 7; do curl -s -o /dev/null -w '%{http_code} ' -H "x-api-key: $FREE_KEY" http://127.0.0.1:8080/v1/echo/tenants/x; done; echo   # free plan: burst of 5, then 429 rate_limited
   curl -i http://127.0.0.1:8080/v1/products/1                  # Deprecation, Sunset and Link headers
   curl -i -H 'x-auth-subject: admin' http://127.0.0.1:8080/v1/echo/spoof   # identity headers never reach backends
   curl -i -X DELETE http://127.0.0.1:8080/v1/orders/42         # 405 problem+json with Allow

@@ -7,6 +7,7 @@ use postern_filter_contract::{ConfigError, Filter, FilterFactory};
 
 pub mod auth;
 pub mod headers;
+pub mod ratelimit;
 
 static FACTORIES: &[&dyn FilterFactory] = &[&headers::RequestHeadersFactory, &headers::ResponseHeadersFactory];
 

@@ -186,6 +186,13 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         && let Some(doc) = cx.load::<PlansDoc>(&plans_path, None)
     {
         for (name, plan) in &doc.plans {
+            for (sub, r) in [("rateLimit", &plan.rate_limit), ("appRateLimit", &plan.app_rate_limit)] {
+                if let Some(r) = r
+                    && (r.rps == 0 || r.rps > 1_000_000_000 || r.burst.is_some_and(|b| b == 0 || b > 1_000_000_000))
+                {
+                    cx.error(&plans_path, format!("plans.{name}.{sub}"), "rps and burst are 1 to 1e9", None);
+                }
+            }
             for (i, p) in plan.products.iter().enumerate() {
                 if !doc.products.contains(p) {
                     let msg = format!("unknown product {p:?} (products are listed under products:)");
@@ -325,7 +332,22 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                 schema: SCHEMA_VERSION,
                 clusters: out_clusters,
                 routes,
-                plans: cx.plans.plans.iter().map(|(k, p)| (k.clone(), Plan { products: p.products.clone() })).collect(),
+                plans: cx
+                    .plans
+                    .plans
+                    .iter()
+                    .map(|(k, p)| {
+                        let rate = |r: &Option<crate::config::RateDoc>| {
+                            r.map(|r| postern_model::Rate { rps: r.rps, burst: r.burst.unwrap_or(r.rps) })
+                        };
+                        let plan = Plan {
+                            products: p.products.clone(),
+                            rate_limit: rate(&p.rate_limit),
+                            app_rate_limit: rate(&p.app_rate_limit),
+                        };
+                        (k.clone(), plan)
+                    })
+                    .collect(),
             },
             modules: cx.modules,
         })
@@ -512,6 +534,20 @@ fn compile_route(
     }
 
     let auth = route_auth(cx, file, field, team, &r);
+    let rate_limit = r.rate_limit.as_ref().map(|rl| {
+        if r.auth.is_none() {
+            cx.error(file, format!("{field}.rateLimit"), "rate limits need an authenticated route (auth)", owner);
+        }
+        let class = rl.class.clone().unwrap_or_else(|| "default".into());
+        if !valid_name(&class) {
+            cx.error(file, format!("{field}.rateLimit.class"), "classes are lowercase letters, digits and '-'", owner);
+        }
+        let cost = rl.cost.unwrap_or(1);
+        if cost == 0 || cost > 1000 {
+            cx.error(file, format!("{field}.rateLimit.cost"), "cost is 1 to 1000", owner);
+        }
+        postern_model::RouteRate { class, cost }
+    });
 
     let deprecation = r.deprecation.as_ref().map(|d| {
         let date = |sub: &str, v: &Option<String>, cx: &mut Ctx| {
@@ -558,6 +594,7 @@ fn compile_route(
         public: r.public,
         buffer_body: r.buffer_body,
         auth,
+        rate_limit,
     })
 }
 
@@ -698,7 +735,7 @@ mod tests {
     const PLATFORM_CLUSTERS: &str = "clusters:\n  a: { endpoints: [\"127.0.0.1:9001\"] }\n  mine: { endpoints: [\"127.0.0.1:9002\"], owner: t }\n  theirs: { endpoints: [\"127.0.0.1:9003\"], owner: u }\n";
     const OWNERS: &str = "owners:\n  - { host: \"*\", pathPrefix: /t, team: t }\n  - { host: \"*\", pathPrefix: /u, team: u }\n  - { host: api.example.com, pathPrefix: /t/special, team: u }\n";
 
-    const PLANS: &str = "scopes: [orders:read, orders:write]\nproducts: [orders, search]\nplans:\n  free: { products: [search] }\n  partner: { products: [orders, search] }\n";
+    const PLANS: &str = "scopes: [orders:read, orders:write]\nproducts: [orders, search]\nplans:\n  free: { products: [search], rateLimit: { rps: 10, burst: 20 } }\n  partner: { products: [orders, search] }\n";
 
     #[test]
     fn routes_are_public_or_authenticated_with_known_scopes_and_products() {
@@ -729,6 +766,17 @@ mod tests {
         assert!(e.contains("routes[0].public: a public route cannot also require auth"), "{e}");
         let e = error_of(&authed("    auth: { methods: [password], product: orders }\n"));
         assert!(e.contains("routes[0].auth.methods[0]"), "{e}");
+
+        let s = compile_t(&authed(
+            "    auth: { methods: [apiKey], product: search }\n    rateLimit: { class: search, cost: 5 }\n",
+        ))
+        .unwrap();
+        assert_eq!(s.routes[0].rate_limit, Some(postern_model::RouteRate { class: "search".into(), cost: 5 }));
+        assert_eq!(s.plans["free"].rate_limit, Some(postern_model::Rate { rps: 10, burst: 20 }));
+        let e = error_of(&route("    match: { path: { value: /t/o } }\n    rateLimit: { cost: 2 }\n"));
+        assert!(e.contains("routes[0].rateLimit: rate limits need an authenticated route"), "{e}");
+        let e = error_of(&authed("    auth: { methods: [jwt], product: orders }\n    rateLimit: { cost: 0 }\n"));
+        assert!(e.contains("routes[0].rateLimit.cost: cost is 1 to 1000"), "{e}");
     }
 
     fn route(body: &str) -> String {

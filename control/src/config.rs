@@ -105,6 +105,9 @@ pub struct RouteDoc {
     /// Who may call the route: accepted credentials, required scopes, API product.
     #[serde(default)]
     pub auth: Option<AuthDoc>,
+    /// Rate-limit class and cost; limits themselves come from the caller's plan.
+    #[serde(default)]
+    pub rate_limit: Option<RouteRateDoc>,
     /// Buffer the request body (maxBodyBytes at most 1 MiB) so filters see it.
     #[serde(default)]
     pub buffer_body: bool,
@@ -183,9 +186,39 @@ pub struct PlansDoc {
 /// One plan.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PlanDoc {
     /// The API products the plan includes.
     pub products: Vec<String>,
+    /// Per-caller limit on each route class.
+    #[serde(default)]
+    pub rate_limit: Option<RateDoc>,
+    /// Ceiling per OAuth app across its users.
+    #[serde(default)]
+    pub app_rate_limit: Option<RateDoc>,
+}
+
+/// A rate: `rps` a second, bursts up to `burst`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateDoc {
+    /// Sustained requests a second.
+    pub rps: u64,
+    /// Largest burst (defaults to `rps`).
+    #[serde(default)]
+    pub burst: Option<u64>,
+}
+
+/// A route's rate-limit class and cost.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRateDoc {
+    /// Routes of one class share a caller's bucket (`default` if unset).
+    #[serde(default)]
+    pub class: Option<String>,
+    /// Tokens one request takes (1 if unset).
+    #[serde(default)]
+    pub cost: Option<u32>,
 }
 
 /// A route's authentication and authorisation.

@@ -252,7 +252,12 @@ mod tests {
     use super::*;
 
     fn plans(names: &[&str]) -> BTreeMap<String, Plan> {
-        names.iter().map(|n| ((*n).to_owned(), Plan { products: vec!["orders".into()] })).collect()
+        names
+            .iter()
+            .map(|n| {
+                ((*n).to_owned(), Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None })
+            })
+            .collect()
     }
 
     fn key_line(id: &str, plan: &str) -> String {

@@ -59,9 +59,13 @@ fn snapshot(routes: usize) -> Snapshot {
                 scopes: vec!["orders:read".into()],
                 product: "orders".into(),
             }),
+            rate_limit: None,
         });
     }
-    let plans = [("partner".to_owned(), Plan { products: vec!["orders".into()] })].into_iter().collect();
+    let plans =
+        [("partner".to_owned(), Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None })]
+            .into_iter()
+            .collect();
     Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans }
 }
 

@@ -78,7 +78,11 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 12] = [
+pub const PROBLEM_CODES: [&str; 16] = [
+    "invalid_credentials",
+    "insufficient_scope",
+    "product_not_in_plan",
+    "rate_limited",
     "route_not_found",
     "method_not_allowed",
     "payload_too_large",

@@ -218,7 +218,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
                 Flow::Wait(fut) => fut.await,
             };
             if let Err(reply) = outcome {
-                return filter_reply(reply, &rid, m, start);
+                return filter_reply(&gw, reply, &rid, m, start);
             }
         }
     }
@@ -290,7 +290,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
                     Flow::Wait(fut) => fut.await,
                 };
                 if let Err(reply) = outcome {
-                    return filter_reply(reply, &rid, m, start);
+                    return filter_reply(&gw, reply, &rid, m, start);
                 }
             }
         }
@@ -334,7 +334,16 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
 }
 
 /// A filter answered the request itself.
-fn filter_reply(reply: Reply, rid: &HeaderValue, m: &RouteMetrics, start: Instant) -> Response<ResponseBody> {
+fn filter_reply(
+    gw: &Gateway,
+    reply: Reply,
+    rid: &HeaderValue,
+    m: &RouteMetrics,
+    start: Instant,
+) -> Response<ResponseBody> {
+    if let Reply::Problem(p) = &reply {
+        gw.metrics.problem(p.code);
+    }
     let mut resp = respond::reply(reply, rid);
     m.count(resp.status().as_u16());
     m.latency.observe(start.elapsed());

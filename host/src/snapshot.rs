@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use http::uri::Authority;
 use http::{HeaderName, HeaderValue};
 use postern_builtin_filters::auth::{AuthFilter, Authenticator};
+use postern_builtin_filters::ratelimit::{Limiter, RateLimitFilter};
 use postern_filter_contract::Filter;
 use postern_model::{Pool, Snapshot, SnapshotFile};
 use postern_router::{PathKind, Router, RouterBuilder};
@@ -164,12 +165,15 @@ pub struct Builder {
     clients: Mutex<Clients>,
     metrics: Arc<Metrics>,
     auth: Arc<Authenticator>,
+    limiter: Arc<Limiter>,
     wasm: Option<Arc<postern_wasm::Runtime>>,
     modules_dir: PathBuf,
 }
 
 /// Verified access tokens kept per node.
 const TOKEN_CACHE_ENTRIES: usize = 65_536;
+/// Rate-limit buckets kept per node (idle ones beyond this are evicted).
+const RATE_BUCKETS: usize = 1 << 20;
 
 fn bucket_table(weights: &[u32]) -> [u8; 100] {
     let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
@@ -199,6 +203,7 @@ impl Builder {
             clients: Mutex::new(Clients::default()),
             metrics,
             auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
+            limiter: Arc::new(Limiter::new(RATE_BUCKETS)),
             wasm: None,
             modules_dir: PathBuf::new(),
         }
@@ -211,6 +216,7 @@ impl Builder {
             clients: Mutex::new(Clients::default()),
             metrics,
             auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
+            limiter: Arc::new(Limiter::new(RATE_BUCKETS)),
             wasm: Some(runtime),
             modules_dir,
         }
@@ -292,9 +298,18 @@ impl Builder {
             };
             let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(r.filters.len() + 1);
             match &r.auth {
-                Some(spec) => filters.push(Arc::new(
-                    AuthFilter::new(self.auth.clone(), id.clone(), spec, &snapshot.plans).map_err(err)?,
-                )),
+                Some(spec) => {
+                    filters.push(Arc::new(
+                        AuthFilter::new(self.auth.clone(), id.clone(), spec, &snapshot.plans).map_err(err)?,
+                    ));
+                    let limited = snapshot.plans.values().any(|p| p.rate_limit.is_some() || p.app_rate_limit.is_some());
+                    if limited {
+                        let default = postern_model::RouteRate { class: "default".into(), cost: 1 };
+                        let rate = r.rate_limit.as_ref().unwrap_or(&default);
+                        let f = RateLimitFilter::new(self.limiter.clone(), rate, &snapshot.plans).map_err(err)?;
+                        filters.push(Arc::new(f));
+                    }
+                }
                 None if r.public => {}
                 None => return Err(err("the route is not public and has no auth".into())),
             }

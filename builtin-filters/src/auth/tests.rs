@@ -82,8 +82,14 @@ impl Fixture {
 
     fn filter(&self, methods: &[AuthMethod], scopes: &[&str]) -> AuthFilter {
         let mut plans = BTreeMap::new();
-        plans.insert("partner".to_owned(), Plan { products: vec!["orders".into()] });
-        plans.insert("free".to_owned(), Plan { products: vec!["search".into()] });
+        plans.insert(
+            "partner".to_owned(),
+            Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None },
+        );
+        plans.insert(
+            "free".to_owned(),
+            Plan { products: vec!["search".into()], rate_limit: None, app_rate_limit: None },
+        );
         let spec = RouteAuth {
             methods: methods.to_vec(),
             scopes: scopes.iter().map(|s| (*s).to_owned()).collect(),

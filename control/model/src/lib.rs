@@ -113,6 +113,32 @@ pub struct Snapshot {
 pub struct Plan {
     /// Product names.
     pub products: Vec<String>,
+    /// Per-caller limit (an API key, or one user of an OAuth app) on each route class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<Rate>,
+    /// Ceiling per OAuth app (`client_id`) across all its users and routes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_rate_limit: Option<Rate>,
+}
+
+/// A token-bucket rate: `rps` tokens a second, at most `burst` saved up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rate {
+    /// Sustained requests (tokens) a second.
+    pub rps: u64,
+    /// Largest burst.
+    pub burst: u64,
+}
+
+/// How a route counts against its callers' rate limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteRate {
+    /// Route class: routes of one class share a caller's bucket.
+    pub class: String,
+    /// Tokens one request takes (an expensive search takes several).
+    pub cost: u32,
 }
 
 /// How a route authenticates and authorises its callers.
@@ -225,6 +251,9 @@ pub struct Route {
     /// Authentication and authorisation; `None` only on routes marked public.
     #[serde(default)]
     pub auth: Option<RouteAuth>,
+    /// Rate-limit class and cost (authenticated routes; class `default`, cost 1 if unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RouteRate>,
 }
 
 /// Largest body a route may buffer for filters' body phase (1 MiB).

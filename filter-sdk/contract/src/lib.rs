@@ -39,12 +39,15 @@ pub struct Context {
     /// The verified caller, set once by the route's authentication filter (which runs
     /// first); filters after it read it.
     pub identity: OnceLock<Arc<Identity>>,
+    /// `RateLimit-Policy` and `RateLimit` values for the response, set by the route's
+    /// rate-limit filter.
+    pub rate_limit: OnceLock<(HeaderValue, HeaderValue)>,
 }
 
 impl Context {
     /// A context with no caller yet.
     pub fn new(route_id: Arc<str>, request_id: HeaderValue) -> Context {
-        Context { route_id, request_id, identity: OnceLock::new() }
+        Context { route_id, request_id, identity: OnceLock::new(), rate_limit: OnceLock::new() }
     }
 
     /// The verified caller, if the route authenticated one.

@@ -1,0 +1,111 @@
+//! Rate limits on one node (the embedded mode): a key's burst then its rate, route costs,
+//! the app ceiling, 429 with `Retry-After`, the RateLimit headers, and one key's flood
+//! leaving another key alone.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use postern_e2e::{Echo, Node, Repo, get, new_key, platform};
+
+struct Setup {
+    _echo: Echo,
+    repo: Repo,
+    node: Node,
+}
+
+fn setup(keys: &[(&str, &str)]) -> (Setup, Vec<String>) {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write(
+        "platform/plans.yaml",
+        "scopes: []\nproducts: [orders]\nplans:\n  small:\n    products: [orders]\n    rateLimit: { rps: 5, burst: 10 }\n    appRateLimit: { rps: 2, burst: 15 }\n",
+    );
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:\n  - name: orders\n    match: { path: { value: /orders } }\n    auth: { methods: [apiKey], product: orders }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: orders }\n    rateLimit: { class: search, cost: 5 }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
+    );
+    let made: Vec<String> = keys.iter().map(|(id, app)| new_key(repo.path(), id, app, "acme", "small", &[])).collect();
+    let snap = repo.path().join("out/snapshot.json");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    repo.compile_ok(&snap);
+    let node = Node::start(&snap, &[]);
+    (Setup { _echo: echo, repo, node }, made)
+}
+
+/// Sends `n` requests as fast as one client can and counts the statuses.
+async fn burst(url: &str, key: &str, n: usize) -> (usize, usize, Vec<postern_e2e::Resp>) {
+    let mut ok = 0;
+    let mut limited = Vec::new();
+    for _ in 0..n {
+        let r = get(url, &[("x-api-key", key)]).await;
+        match r.status {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => limited.push(r),
+            s => panic!("unexpected {s}: {:?}", r.body),
+        }
+    }
+    let refused = limited.len();
+    (ok, refused, limited)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_gets_its_burst_then_429_with_headers() {
+    let (s, keys) = setup(&[("k-a", "app-a"), ("k-b", "app-b")]);
+    let url = s.node.url("/orders");
+    let _ = &s.repo;
+
+    let first = get(&url, &[("x-api-key", &keys[0])]).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.header("ratelimit-policy"), Some("\"default\";q=10;w=2"));
+    assert_eq!(first.header("ratelimit"), Some("\"default\";r=9;t=1"));
+
+    let t = Instant::now();
+    let (ok, refused, limited) = burst(&url, &keys[0], 20).await;
+    let elapsed = t.elapsed().as_secs_f64();
+    // 9 left in the burst, plus what 5/s refills while the requests run.
+    let refill = (elapsed * 5.0).ceil() as usize;
+    assert!(ok >= 9 && ok <= 9 + refill, "admitted {ok} in {elapsed:.2} s");
+    assert!(refused > 0);
+    let r = &limited[0];
+    assert_eq!(r.json()["code"], "rate_limited");
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("ratelimit-policy"), Some("\"default\";q=10;w=2"));
+    assert!(r.header("ratelimit").is_some_and(|v| v.starts_with("\"default\";r=0;")));
+
+    // Another key of another app is untouched by that flood.
+    let (ok_b, refused_b, _) = burst(&url, &keys[1], 5).await;
+    assert_eq!((ok_b, refused_b), (5, 0));
+
+    // After a second, the first key has tokens again.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(get(&url, &[("x-api-key", &keys[0])]).await.status, StatusCode::OK);
+
+    // Public routes are not limited (no caller to key on).
+    for _ in 0..30 {
+        assert_eq!(get(&s.node.url("/open"), &[]).await.status, StatusCode::OK);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expensive_routes_cost_more_and_apps_have_a_ceiling() {
+    let (s, keys) = setup(&[("k-1", "shared"), ("k-2", "shared"), ("k-3", "shared")]);
+    // A search costs 5 of the 10-token burst: two go through, in its own class.
+    let (ok, refused, _) = burst(&s.node.url("/search"), &keys[0], 4).await;
+    assert_eq!((ok, refused), (2, 2));
+    let r = get(&s.node.url("/orders"), &[("x-api-key", &keys[0])]).await;
+    assert_eq!(r.status, StatusCode::OK, "the default class has its own bucket");
+
+    // Three keys of one app: each has 10, but the app's ceiling is 15 in a burst, of which
+    // two searches (cost 5 each) and one order took 11; refused searches took nothing.
+    let mut ok = 0;
+    for k in &keys {
+        ok += burst(&s.node.url("/orders"), k, 10).await.0;
+    }
+    assert!(ok <= 15 - 11 + 3, "the app ceiling held: {ok}");
+    let r = get(&s.node.url("/orders"), &[("x-api-key", &keys[2])]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.header("ratelimit-policy").is_some_and(|p| p.starts_with("\"app\"")), "{:?}", r.headers);
+}
