@@ -25,14 +25,15 @@ fn bench(c: &mut Criterion) {
     });
 
     let limiter = Limiter::new(1 << 20);
+    let lim = limit();
     for k in 0..100_000u64 {
-        let _ = limiter.take(k, &limit(), 1, 0);
+        let _ = limiter.take(k, &lim, 1, 0);
     }
     let mut k = 0u64;
     c.bench_function("limiter take (bucket cache lookup among 100k + CAS)", |bn| {
         bn.iter(|| {
             k = (k + 7919) % 100_000;
-            black_box(limiter.take(black_box(k), &limit(), 1, limiter.now()))
+            black_box(limiter.take(black_box(k), &lim, 1, limiter.now()))
         })
     });
 

@@ -225,15 +225,13 @@ fn state_header(name: &str, v: &Verdict) -> Option<HeaderValue> {
 impl Filter for RateLimitFilter {
     fn on_request<'a>(&'a self, _req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
         let Some(id) = cx.identity() else { return Flow::Continue };
-        let Some(limits) = id.plan.as_ref().and_then(|p| self.limits(p.as_bytes())) else { return Flow::Continue };
+        let Some(limits) = id.plan.as_ref().and_then(|p| self.limits(p)) else { return Flow::Continue };
         let now = self.limiter.now();
         // The caller: its API key, or the app's user for an access token.
         let caller = match (&id.key_id, &id.client_id, &id.subject) {
-            (Some(k), _, _) => seed(k.as_bytes(), self.class_seed),
+            (Some(k), _, _) => seed(k, self.class_seed),
             (None, c, s) => {
-                let c = c.as_ref().map(HeaderValue::as_bytes).unwrap_or_default();
-                let s = s.as_ref().map(HeaderValue::as_bytes).unwrap_or_default();
-                seed(s, seed(c, self.class_seed))
+                seed(s.as_deref().unwrap_or_default(), seed(c.as_deref().unwrap_or_default(), self.class_seed))
             }
         };
         // The caller's own bucket first, so a key refused there never drains its app's
@@ -242,7 +240,7 @@ impl Filter for RateLimitFilter {
         let mut taken: Option<(u64, &Limit)> = None;
         for (limit, key, name) in [
             (&limits.caller, caller, &*self.class),
-            (&limits.app, id.client_id.as_ref().map_or(0, |c| seed(c.as_bytes(), 0xa99)), "app"),
+            (&limits.app, id.client_id.as_ref().map_or(0, |c| seed(c, 0xa99)), "app"),
         ] {
             let Some(limit) = limit else { continue };
             let v = self.limiter.take(key, limit, self.cost, now);

@@ -228,7 +228,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
         Some(pick) => pick,
         None => {
             let id = cx.as_ref().and_then(Context::identity);
-            route.split(id.and_then(|id| id.key_id.as_ref().or(id.client_id.as_ref())).map(HeaderValue::as_bytes))
+            route.split(id.and_then(|id| id.key_id.as_deref().or(id.client_id.as_deref())))
         }
     };
     let Some(endpoint) = upstream.and_then(|u| u.pick()).cloned() else {

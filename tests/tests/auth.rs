@@ -295,6 +295,8 @@ async fn on_conn(
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
+    // The connection must have finished the previous exchange before it takes another.
+    sender.ready().await.unwrap();
     let resp = sender.send_request(req.body(Full::new(Bytes::new())).unwrap()).await.unwrap();
     let status = resp.status();
     let _ = resp.into_body().collect().await;

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use http::HeaderValue;
+use bytes::Bytes;
 use postern_filter_contract::{CredentialKind, Identity};
 use serde::Deserialize;
 
@@ -45,9 +45,9 @@ pub struct Verified {
     pub kid: Box<str>,
     /// That key's fingerprint when it verified the token.
     pub fingerprint: u64,
-    subject: HeaderValue,
-    client: HeaderValue,
-    scopes: HeaderValue,
+    subject: Bytes,
+    client: Bytes,
+    scopes: Bytes,
 }
 
 /// A cache entry: the verification, and the identity made from it against one version
@@ -138,11 +138,12 @@ fn is_b64url(part: &[u8]) -> bool {
     !part.is_empty() && part.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
-fn text_value(s: &str) -> Result<HeaderValue, Reason> {
+/// A claim that will be forwarded as a header: printable ASCII, bounded.
+fn text_value(s: &str) -> Result<Bytes, Reason> {
     if s.is_empty() || s.len() > 1024 || !s.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
         return Err(Reason::BadClaims);
     }
-    HeaderValue::from_str(s).map_err(|_| Reason::BadClaims)
+    Ok(Bytes::copy_from_slice(s.as_bytes()))
 }
 
 /// Verifies `token` cold: shape, header, signature, claims. Allocates only within the
@@ -229,7 +230,7 @@ pub fn verify(store: &CredentialStore, token: &str, now: u64) -> Result<Verified
     Ok(Verified {
         subject: text_value(&c.sub)?,
         client: text_value(&c.client_id)?,
-        scopes: if c.scope.is_empty() { HeaderValue::from_static("") } else { text_value(&c.scope)? },
+        scopes: if c.scope.is_empty() { Bytes::new() } else { text_value(&c.scope)? },
         jti: c.jti.into(),
         sub: c.sub.into(),
         client_id: c.client_id.into(),

@@ -310,7 +310,7 @@ impl AuthFilter {
         if !self.scopes.iter().all(|s| id.has_scope(s)) {
             return Err(Reason::InsufficientScope);
         }
-        let plan = id.plan.as_ref().map(HeaderValue::as_bytes).unwrap_or_default();
+        let plan: &[u8] = id.plan.as_deref().unwrap_or_default();
         if !self.plans.iter().any(|p| **p == *plan) {
             return Err(Reason::NotInPlan);
         }
@@ -362,11 +362,13 @@ fn set_identity_headers(headers: &mut HeaderMap, id: &Identity) {
         (X_AUTH_KEY_ID, &id.key_id),
     ];
     for (name, value) in pairs {
-        if let Some(v) = value {
-            headers.insert(name, v.clone());
+        if let Some(v) = value.as_ref().and_then(Identity::header) {
+            headers.insert(name, v);
         }
     }
-    headers.insert(X_AUTH_SCOPES, id.scopes.clone());
+    if let Some(v) = Identity::header(&id.scopes) {
+        headers.insert(X_AUTH_SCOPES, v);
+    }
 }
 
 /// Removes the credentials a client may send: they are never forwarded.

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey, RSA_PKCS1_2048_8192_SHA256};
-use http::HeaderValue;
+use bytes::Bytes;
 use jsonwebtoken::DecodingKey;
 use postern_filter_contract::{CredentialKind, Identity};
 use postern_model::credentials::{Alg, Credentials, KeyStatus};
@@ -49,9 +49,9 @@ impl std::fmt::Debug for SigningEntry {
 #[derive(Debug)]
 pub struct AppEntry {
     /// Plan.
-    pub plan: HeaderValue,
+    pub plan: Bytes,
     /// Tenant.
-    pub tenant: Option<HeaderValue>,
+    pub tenant: Option<Bytes>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -124,10 +124,10 @@ pub struct CredentialStore {
 /// Header values shared by many keys and apps (a tenant, a plan, a scope set) are made
 /// once; cloning them only bumps a reference count.
 #[derive(Default)]
-struct Interner(FastMap<String, HeaderValue>);
+struct Interner(FastMap<String, Bytes>);
 
 impl Interner {
-    fn get(&mut self, s: &str, what: &str) -> Result<HeaderValue, String> {
+    fn get(&mut self, s: &str, what: &str) -> Result<Bytes, String> {
         if let Some(v) = self.0.get(s) {
             return Ok(v.clone());
         }
@@ -137,12 +137,14 @@ impl Interner {
     }
 }
 
-fn header_value(s: &str, what: &str) -> Result<HeaderValue, String> {
+fn header_value(s: &str, what: &str) -> Result<Bytes, String> {
     if s.is_empty() || s.len() > 1024 || !s.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
         return Err(format!("{what} {s:?} must be 1 to 1024 printable ASCII characters"));
     }
-    // A `Bytes`-backed value, so clones share one allocation.
-    HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(s.as_bytes())).map_err(|e| format!("{what}: {e}"))
+    // Checked once here to be a valid header value; clones share one allocation.
+    let b = Bytes::copy_from_slice(s.as_bytes());
+    http::HeaderValue::from_maybe_shared(b.clone()).map_err(|e| format!("{what}: {e}"))?;
+    Ok(b)
 }
 
 /// The key in `pem` (SubjectPublicKeyInfo), parsed for `alg` (`jsonwebtoken` reads the
@@ -223,7 +225,7 @@ impl CredentialStore {
         }
 
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());
-        let mut last_scopes: (Vec<String>, HeaderValue) = (Vec::new(), HeaderValue::from_static(""));
+        let mut last_scopes: (Vec<String>, Bytes) = (Vec::new(), Bytes::new());
         for (i, k) in creds.keys.iter().enumerate() {
             let at = || format!("keys[{i}] (id {:?})", k.id);
             let mut hash = [0u8; 32];
@@ -233,7 +235,7 @@ impl CredentialStore {
             if k.scopes != last_scopes.0 {
                 let joined = k.scopes.join(" ");
                 let value = if joined.is_empty() {
-                    HeaderValue::from_static("")
+                    Bytes::new()
                 } else {
                     names.get(&joined, "scopes").map_err(|e| format!("{}: {e}", at()))?
                 };

@@ -65,35 +65,46 @@ pub enum CredentialKind {
     Jwt,
 }
 
-/// A verified caller. Values are kept as ready header values: they are what the gateway
-/// sends to backends (`x-auth-*`), so forwarding them copies nothing.
+/// A verified caller. Values are shared byte strings, checked once to be valid header
+/// values when the credential state was loaded: forwarding one copies nothing, and a
+/// key's identity made once at load is small (the key table holds one per API key).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     /// How the caller authenticated.
     pub kind: CredentialKind,
     /// The end user (`sub`), for access tokens.
-    pub subject: Option<HeaderValue>,
+    pub subject: Option<Bytes>,
     /// The OAuth client, or the app an API key belongs to.
-    pub client_id: Option<HeaderValue>,
+    pub client_id: Option<Bytes>,
     /// The tenant.
-    pub tenant: Option<HeaderValue>,
+    pub tenant: Option<Bytes>,
     /// The API key's id.
-    pub key_id: Option<HeaderValue>,
+    pub key_id: Option<Bytes>,
     /// The caller's plan.
-    pub plan: Option<HeaderValue>,
+    pub plan: Option<Bytes>,
     /// Granted scopes, space-separated.
-    pub scopes: HeaderValue,
+    pub scopes: Bytes,
 }
 
 impl Identity {
     /// Whether the caller holds `scope`.
     pub fn has_scope(&self, scope: &str) -> bool {
-        self.scopes.as_bytes().split(|&b| b == b' ').any(|s| s == scope.as_bytes())
+        self.scopes.split(|&b| b == b' ').any(|s| s == scope.as_bytes())
     }
 
     /// Granted scopes.
     pub fn scope_list(&self) -> impl Iterator<Item = &str> {
-        self.scopes.to_str().unwrap_or_default().split(' ').filter(|s| !s.is_empty())
+        std::str::from_utf8(&self.scopes).unwrap_or_default().split(' ').filter(|s| !s.is_empty())
+    }
+
+    /// A value as a header value (every value was checked when it was loaded).
+    pub fn header(value: &Bytes) -> Option<HeaderValue> {
+        HeaderValue::from_maybe_shared(value.clone()).ok()
+    }
+
+    /// A value as text.
+    pub fn text(value: &Option<Bytes>) -> Option<&str> {
+        value.as_ref().and_then(|v| std::str::from_utf8(v).ok())
     }
 }
 

@@ -13,7 +13,9 @@ use bytes::Bytes;
 use http::header::HOST;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
-use postern_filter_contract::{Context, Filter, Flow, Problem, Reply, RequestHead, ResponseFlow, ResponseHead};
+use postern_filter_contract::{
+    Context, Filter, Flow, Identity, Problem, Reply, RequestHead, ResponseFlow, ResponseHead,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::limits::Limits;
@@ -168,7 +170,7 @@ impl WasmFilter {
             route_id: cx.route_id.to_string(),
             request_id: cx.request_id.to_str().unwrap_or_default().to_owned(),
             identity: cx.identity().map(|id| {
-                let text = |v: &Option<HeaderValue>| v.as_ref().and_then(|v| v.to_str().ok()).map(str::to_owned);
+                let text = |v: &Option<Bytes>| Identity::text(v).map(str::to_owned);
                 types::Identity {
                     subject: text(&id.subject),
                     client_id: text(&id.client_id),
