@@ -307,12 +307,14 @@ impl AuthFilter {
     /// Checks the request's credential and the route's scopes and product.
     pub fn check(&self, headers: &HeaderMap, now: u64) -> Result<Arc<Identity>, Reason> {
         let id = self.auth.authenticate(headers, self.methods, now)?;
-        if !self.scopes.iter().all(|s| id.has_scope(s)) {
-            return Err(Reason::InsufficientScope);
-        }
+        // Entitlement first: a caller whose plan lacks the product is told so, whatever
+        // its scopes.
         let plan: &[u8] = id.plan.as_deref().unwrap_or_default();
         if !self.plans.iter().any(|p| **p == *plan) {
             return Err(Reason::NotInPlan);
+        }
+        if !self.scopes.iter().all(|s| id.has_scope(s)) {
+            return Err(Reason::InsufficientScope);
         }
         Ok(id)
     }

@@ -409,18 +409,21 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 #[test]
 fn scopes_and_plans_are_enforced_with_403s() {
     let f = Fixture::new();
-    let filter = f.filter(&[AuthMethod::ApiKey, AuthMethod::Jwt], &["orders:write"]);
-    // The free key's plan does not include orders, and it lacks orders:write.
-    let (status, _, r, _) = run(&filter, &[("x-api-key", &f.free_key)]);
+    let filter = f.filter(&[AuthMethod::ApiKey, AuthMethod::Jwt], &["orders:admin"]);
+    // The partner key's plan includes orders, but it lacks orders:admin.
+    let (status, _, r, _) = run(&filter, &[("x-api-key", &f.key)]);
     assert_eq!((status, code(&r)), (StatusCode::FORBIDDEN, "insufficient_scope"));
     let Some(Reply::Problem(p)) = r else { unreachable!() };
     assert_eq!(
         p.headers[http::header::WWW_AUTHENTICATE],
-        "Bearer realm=\"postern\", error=\"insufficient_scope\", scope=\"orders:write\""
+        "Bearer realm=\"postern\", error=\"insufficient_scope\", scope=\"orders:admin\""
     );
+    // The free key holds orders:read, but its plan does not include the orders API; the
+    // plan is checked first, so it hears that whatever its scopes.
     let reader = f.filter(&[AuthMethod::ApiKey], &["orders:read"]);
     let (status, _, r, _) = run(&reader, &[("x-api-key", &f.free_key)]);
     assert_eq!((status, code(&r)), (StatusCode::FORBIDDEN, "product_not_in_plan"));
+    assert_eq!(code(&run(&filter, &[("x-api-key", &f.free_key)]).2), "product_not_in_plan");
     // A token of an app unknown to the gateway has no plan.
     let jwt_reader = f.filter(&[AuthMethod::Jwt], &["orders:read"]);
     let token = es256(&{
