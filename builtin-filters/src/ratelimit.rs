@@ -154,10 +154,6 @@ pub struct Limit {
 impl Limit {
     /// A limit named `name` (the policy name in `RateLimit-Policy`) at rate `r`.
     pub fn from_rate(name: &str, r: &Rate) -> Result<Limit, String> {
-        Limit::new(name, r)
-    }
-
-    fn new(name: &str, r: &Rate) -> Result<Limit, String> {
         if r.rps == 0 || r.burst == 0 {
             return Err(format!("{name}: rps and burst must be at least 1"));
         }
@@ -197,8 +193,8 @@ impl RateLimitFilter {
         }
         let mut out = Vec::new();
         for (name, plan) in plans {
-            let caller = plan.rate_limit.as_ref().map(|r| Limit::new(&spec.class, r)).transpose()?;
-            let app = plan.app_rate_limit.as_ref().map(|r| Limit::new("app", r)).transpose()?;
+            let caller = plan.rate_limit.as_ref().map(|r| Limit::from_rate(&spec.class, r)).transpose()?;
+            let app = plan.app_rate_limit.as_ref().map(|r| Limit::from_rate("app", r)).transpose()?;
             if caller.is_some() || app.is_some() {
                 out.push((Box::from(name.as_bytes()), PlanLimits { caller, app }));
             }

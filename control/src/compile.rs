@@ -102,23 +102,31 @@ impl Ctx {
                 return None;
             }
         };
-        let de = serde_yaml_ng::Deserializer::from_str(&text);
-        match serde_path_to_error::deserialize::<_, T>(de) {
+        match parse_yaml::<T>(&text) {
             Ok(v) => Some(v),
-            Err(e) => {
-                let field = e.path().to_string();
-                let field = if field == "." { String::new() } else { field };
-                let msg = e.into_inner().to_string();
-                // The YAML error repeats the enclosing path ("routes[0]: ..."); drop it.
-                let msg = match msg.split_once(": ") {
-                    Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
-                    _ => msg,
-                };
+            Err((field, msg)) => {
                 self.error(path, field, msg, owner);
                 None
             }
         }
     }
+}
+
+/// Parses YAML text into `T`; on error, the field path (empty for the document itself)
+/// and the message without the path the YAML error repeats.
+pub fn parse_yaml<T: DeserializeOwned>(text: &str) -> Result<T, (String, String)> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize::<_, T>(de).map_err(|e| {
+        let field = e.path().to_string();
+        let field = if field == "." { String::new() } else { field };
+        let msg = e.into_inner().to_string();
+        // The YAML error repeats the enclosing path ("routes[0]: ..."); drop it.
+        let msg = match msg.split_once(": ") {
+            Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
+            _ => msg,
+        };
+        (field, msg)
+    })
 }
 
 fn parse_ms(s: &str) -> Result<u64, String> {

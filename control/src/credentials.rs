@@ -97,18 +97,10 @@ fn load_auth(root: &Path, errors: &mut Vec<String>) -> Option<AuthDoc> {
     if text.trim().is_empty() {
         return Some(AuthDoc::default());
     }
-    let de = serde_yaml_ng::Deserializer::from_str(&text);
-    match serde_path_to_error::deserialize::<_, AuthDoc>(de) {
+    match crate::compile::parse_yaml::<AuthDoc>(&text) {
         Ok(doc) => Some(doc),
-        Err(e) => {
-            let field = e.path().to_string();
-            let msg = e.into_inner().to_string();
-            // The YAML error repeats the enclosing path ("jwt: ..."); drop it.
-            let msg = match msg.split_once(": ") {
-                Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
-                _ => msg,
-            };
-            if field == "." {
+        Err((field, msg)) => {
+            if field.is_empty() {
                 errors.push(format!("{AUTH_FILE}: {msg}"));
             } else {
                 errors.push(format!("{AUTH_FILE}: {field}: {msg}"));
