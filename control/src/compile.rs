@@ -352,6 +352,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                             products: p.products.clone(),
                             rate_limit: rate(&p.rate_limit),
                             app_rate_limit: rate(&p.app_rate_limit),
+                            fail_closed: p.on_sync_loss == crate::config::SyncLossDoc::Closed,
                         };
                         (k.clone(), plan)
                     })

@@ -196,6 +196,21 @@ pub struct PlanDoc {
     /// Ceiling per OAuth app across its users.
     #[serde(default)]
     pub app_rate_limit: Option<RateDoc>,
+    /// What the plan's limits do when the fleet-wide sync is lost: `open` (default: each
+    /// node goes on with its last share) or `closed` (refuse with 503).
+    #[serde(default)]
+    pub on_sync_loss: SyncLossDoc,
+}
+
+/// `onSyncLoss` of a plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncLossDoc {
+    /// Go on with the last shares.
+    #[default]
+    Open,
+    /// Refuse the plan's callers until the sync is back.
+    Closed,
 }
 
 /// A rate: `rps` a second, bursts up to `burst`.

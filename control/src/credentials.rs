@@ -247,7 +247,15 @@ mod tests {
         names
             .iter()
             .map(|n| {
-                ((*n).to_owned(), Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None })
+                (
+                    (*n).to_owned(),
+                    Plan {
+                        products: vec!["orders".into()],
+                        rate_limit: None,
+                        app_rate_limit: None,
+                        fail_closed: false,
+                    },
+                )
             })
             .collect()
     }

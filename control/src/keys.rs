@@ -610,10 +610,12 @@ mod tests {
         );
         std::fs::write(dir.path().join("platform/auth.yaml"), auth).unwrap();
         new_key(dir.path(), &spec("key1")).unwrap();
-        let plans =
-            [("gold".to_owned(), postern_model::Plan { products: vec![], rate_limit: None, app_rate_limit: None })]
-                .into_iter()
-                .collect();
+        let plans = [(
+            "gold".to_owned(),
+            postern_model::Plan { products: vec![], rate_limit: None, app_rate_limit: None, fail_closed: false },
+        )]
+        .into_iter()
+        .collect();
         let creds = crate::credentials::compile_credentials(dir.path(), &plans).unwrap();
         assert_eq!((creds.signing_keys.len(), creds.keys.len(), creds.apps.len()), (2, 1, 1));
         assert_eq!(creds.signing_keys[1].public_key_pem, pair.public_pem);

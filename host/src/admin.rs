@@ -29,8 +29,19 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             let live = gw.live.load();
             let creds = gw.auth.credentials.load();
             let (keys, signing_keys, apps, deny) = creds.counts();
+            let ratelimit = match &gw.ratesync {
+                None => serde_json::json!({"mode": "local"}),
+                Some(s) => serde_json::json!({
+                    "mode": "fleet",
+                    "state": s.state(),
+                    "last_sync_ms_ago": s.since_ok_ms(),
+                    "nodes": s.nodes.load(std::sync::atomic::Ordering::Relaxed),
+                    "keys": s.keys.load(std::sync::atomic::Ordering::Relaxed),
+                }),
+            };
             let body = serde_json::json!({
                 "ready": true,
+                "ratelimit": ratelimit,
                 "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
                 "credentials": {"version": creds.version, "keys": keys, "signing_keys": signing_keys, "apps": apps, "deny": deny},
             });
@@ -39,6 +50,9 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
         "/metrics" => {
             let mut out = gw.metrics.render();
             crate::metrics::render_auth(&mut out, &gw.auth.stats);
+            if let Some(s) = &gw.ratesync {
+                crate::metrics::render_ratesync(&mut out, s);
+            }
             text(StatusCode::OK, "text/plain; version=0.0.4", out)
         }
         "/snapshot" => {

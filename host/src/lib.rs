@@ -11,6 +11,7 @@ pub mod body;
 pub mod headers;
 pub mod metrics;
 pub mod proxy;
+pub mod ratesync;
 pub mod respond;
 pub mod server;
 pub mod snapshot;

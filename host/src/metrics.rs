@@ -78,11 +78,12 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 16] = [
+pub const PROBLEM_CODES: [&str; 17] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
     "rate_limited",
+    "rate_limit_unavailable",
     "route_not_found",
     "method_not_allowed",
     "payload_too_large",
@@ -234,6 +235,58 @@ pub fn render_auth(out: &mut String, stats: &postern_builtin_filters::auth::Auth
     out.push_str("# TYPE postern_auth_requests_total counter\n");
     for (reason, n) in stats.snapshot() {
         let _ = writeln!(out, "postern_auth_requests_total{{outcome=\"{}\"}} {n}", reason.as_str());
+    }
+}
+
+/// Appends the fleet-wide rate sync's metrics.
+pub fn render_ratesync(out: &mut String, s: &crate::ratesync::RateSync) {
+    let synced = u64::from(s.state() == "synced");
+    let rows: [(&str, &str, &str, u64); 8] = [
+        (
+            "postern_ratelimit_sync_total{outcome=\"ok\"}",
+            "counter",
+            "Rate syncs with the fleet, by outcome.",
+            s.ok.load(Ordering::Relaxed),
+        ),
+        ("postern_ratelimit_sync_total{outcome=\"failed\"}", "", "", s.failed.load(Ordering::Relaxed)),
+        (
+            "postern_ratelimit_synced",
+            "gauge",
+            "1 while rate limits are synced with the fleet, 0 when lost or starting.",
+            synced,
+        ),
+        (
+            "postern_ratelimit_sync_keys",
+            "gauge",
+            "Keys reported by the last rate sync.",
+            s.keys.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_ratelimit_sync_sent_bytes_total",
+            "counter",
+            "Bytes of rate-sync requests sent.",
+            s.bytes_sent.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_ratelimit_sync_last_microseconds",
+            "gauge",
+            "Duration of the last successful rate sync.",
+            s.last_us.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_ratelimit_fleet_nodes",
+            "gauge",
+            "Nodes that synced rate limits lately.",
+            s.nodes.load(Ordering::Relaxed),
+        ),
+        ("postern_ratelimit_buckets", "gauge", "Rate-limit buckets held by this node.", s.limiter.len() as u64),
+    ];
+    for (name, kind, help, v) in rows {
+        if !kind.is_empty() {
+            let base = name.split('{').next().unwrap_or(name);
+            let _ = writeln!(out, "# HELP {base} {help}\n# TYPE {base} {kind}");
+        }
+        let _ = writeln!(out, "{name} {v}");
     }
 }
 

@@ -34,6 +34,8 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Authentication state (credentials, verified tokens, outcome counters).
     pub auth: Arc<postern_builtin_filters::auth::Authenticator>,
+    /// The fleet-wide rate-limit sync, when the node is part of a fleet.
+    pub ratesync: Option<Arc<crate::ratesync::RateSync>>,
 }
 
 /// Facts about one client connection, computed once per connection.

@@ -66,6 +66,22 @@ pub struct Args {
     /// Wasm filter instances that may run at once.
     #[arg(long, default_value_t = 256)]
     pub wasm_instances: u32,
+    /// Redis for fleet-wide rate limits (`redis://host:port`; repeat for the seed nodes of
+    /// a cluster). Without it the node enforces every limit alone.
+    #[arg(long = "ratelimit-redis")]
+    pub ratelimit_redis: Vec<String>,
+    /// The `--ratelimit-redis` URLs are a Redis Cluster.
+    #[arg(long)]
+    pub ratelimit_cluster: bool,
+    /// Prefix of the keys the fleet's rate sync writes.
+    #[arg(long, default_value = "postern:rl:")]
+    pub ratelimit_prefix: String,
+    /// How often to sync rate limits with the fleet, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub ratelimit_sync_ms: u64,
+    /// This node's name in the fleet (default: host name, process id and a random tag).
+    #[arg(long)]
+    pub node_id: Option<String>,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -342,14 +358,34 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metering: true,
     })
     .context("cannot start the Wasm runtime")?;
-    let builder = Arc::new(Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules")));
+    let mut builder = Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules"));
+    let ratesync = if args.ratelimit_redis.is_empty() {
+        None
+    } else {
+        let limiter = Arc::new(postern_builtin_filters::ratelimit::Limiter::fleet(crate::snapshot::RATE_BUCKETS));
+        builder.use_limiter(limiter.clone());
+        let node_id = args.node_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}-{:08x}", host.trim(), std::process::id(), fastrand::u32(..))
+        });
+        let settings = crate::ratesync::SyncSettings {
+            urls: args.ratelimit_redis.clone(),
+            cluster: args.ratelimit_cluster,
+            prefix: args.ratelimit_prefix.clone(),
+            interval: Duration::from_millis(args.ratelimit_sync_ms.max(50)),
+            node_id,
+        };
+        tracing::info!(redis = ?settings.urls, cluster = settings.cluster, node = %settings.node_id, "fleet-wide rate limits");
+        Some(crate::ratesync::start(limiter, settings).context("cannot start the rate sync")?)
+    };
+    let builder = Arc::new(builder);
     let bytes =
         std::fs::read(&args.snapshot).with_context(|| format!("cannot read snapshot {}", args.snapshot.display()))?;
     let live = builder.build_bytes(&bytes).with_context(|| format!("snapshot {} refused", args.snapshot.display()))?;
     tracing::info!(version = live.version, hash = %live.hash, routes = live.route_count, "snapshot live");
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
     let auth = builder.authenticator().clone();
-    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth });
+    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync });
     let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
     if credentials.exists() {
         reload_credentials(&gw, &credentials)

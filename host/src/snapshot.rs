@@ -173,7 +173,7 @@ pub struct Builder {
 /// Verified access tokens kept per node.
 const TOKEN_CACHE_ENTRIES: usize = 65_536;
 /// Rate-limit buckets kept per node (idle ones beyond this are evicted).
-const RATE_BUCKETS: usize = 1 << 20;
+pub const RATE_BUCKETS: usize = 1 << 20;
 
 fn bucket_table(weights: &[u32]) -> [u8; 100] {
     let total: u64 = weights.iter().map(|&w| u64::from(w)).sum::<u64>().max(1);
@@ -220,6 +220,17 @@ impl Builder {
             wasm: Some(runtime),
             modules_dir,
         }
+    }
+
+    /// Replaces the node's rate limiter (before any snapshot is built), e.g. with one in
+    /// fleet mode.
+    pub fn use_limiter(&mut self, limiter: Arc<Limiter>) {
+        self.limiter = limiter;
+    }
+
+    /// The node's rate limiter, shared by every snapshot's routes.
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.limiter
     }
 
     /// The node's authentication state, shared by every snapshot's routes.

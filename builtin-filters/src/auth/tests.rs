@@ -84,11 +84,11 @@ impl Fixture {
         let mut plans = BTreeMap::new();
         plans.insert(
             "partner".to_owned(),
-            Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None },
+            Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None, fail_closed: false },
         );
         plans.insert(
             "free".to_owned(),
-            Plan { products: vec!["search".into()], rate_limit: None, app_rate_limit: None },
+            Plan { products: vec!["search".into()], rate_limit: None, app_rate_limit: None, fail_closed: false },
         );
         let spec = RouteAuth {
             methods: methods.to_vec(),

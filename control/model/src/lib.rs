@@ -119,6 +119,10 @@ pub struct Plan {
     /// Ceiling per OAuth app (`client_id`) across all its users and routes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_rate_limit: Option<Rate>,
+    /// When the fleet-wide sync of rate limits is lost: refuse this plan's callers (503)
+    /// instead of going on with each node's last share.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fail_closed: bool,
 }
 
 /// A token-bucket rate: `rps` tokens a second, at most `burst` saved up.

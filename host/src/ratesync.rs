@@ -1,0 +1,493 @@
+//! Fleet-wide rate limits: a background sync through Redis.
+//!
+//! Buckets are decided in memory on every request ([`Limiter`]); each holds this node's
+//! share of its limit. Every `interval` (500 ms) this task, on its own thread and runtime
+//! so it never competes with the request path, makes one pipelined call to Redis: one
+//! Lua script per shard of keys, atomic, that for each key this node used since its last
+//! report
+//!
+//! - refills the key's fleet-wide token bucket by the time since its last update and
+//!   takes what this node admitted (the bucket may go into debt, at most one burst);
+//! - replaces this node's entry in the key's traffic rate (the sum over nodes of each
+//!   node's latest rate of tokens asked for, fading out over `TAU_S` so a node that died
+//!   stops counting);
+//!
+//! and returns the bucket's tokens and the fleet's rate. This node's share is then its
+//! own rate over the fleet's, and its bucket is set to hold that share of the fleet's
+//! tokens. A key new to a node (or idle on it since) starts with an even share of the
+//! live nodes, which every node registers in a sorted set on each sync.
+//!
+//! Keys are spread over `SHARDS` hash tags (`{prefix}{NNN}:...`), so one script call
+//! touches one Redis Cluster slot and the same code works against one Redis or a cluster
+//! (one pipeline on a single server; one call per shard, pipelined per connection, on a
+//! cluster).
+//!
+//! When Redis is unreachable or slow, nothing waits: buckets keep their last shares
+//! (bounded fail-open), consumption accumulates for the next report, and after
+//! `LOST_AFTER` missed intervals the limiter is marked lost so plans that fail closed
+//! refuse their callers. The sync retries every interval and recovers by itself.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use postern_builtin_filters::ratelimit::{Limiter, SHARE_ONE, Touched};
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Value};
+
+/// Shards of the key space; one script call per shard with traffic.
+const SHARDS: u64 = 1024;
+/// How fast a node's reported rate fades out of a key's fleet rate when it stops
+/// reporting, in seconds.
+const TAU_S: f64 = 10.0;
+/// Missed intervals after which the sync counts as lost.
+const LOST_AFTER: u32 = 4;
+/// A node not seen for this long no longer counts for even shares, in seconds.
+const NODE_TTL_S: u64 = 5;
+
+/// Per key: refill, take what this node admitted, swap its rate into the fleet's, and
+/// answer the bucket's tokens and the fleet's rate (both x1000, as integers).
+const KEYS_SCRIPT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local tau, horizon, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local out = {}
+for i = 1, #KEYS do
+  local a = 3 + (i - 1) * 5
+  local used, rnew, old = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local rps, burst = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local tokens, ts, rate = burst, now, 0
+  local cur = redis.call('GET', KEYS[i])
+  if cur then
+    local x, y, z = string.match(cur, '^(%S+) (%S+) (%S+)$')
+    if z then tokens, ts, rate = tonumber(x), tonumber(y), tonumber(z) end
+  end
+  local el = math.max(0, now - ts)
+  tokens = math.min(burst + rps * horizon, tokens + el * rps) - used
+  if tokens < -burst then tokens = -burst end
+  rate = math.max(0, rate * math.exp(-el / tau) - old) + rnew
+  redis.call('SET', KEYS[i], string.format('%.4f %.6f %.4f', tokens, now, rate), 'PX', ttl)
+  out[#out + 1] = math.floor(tokens * 1000)
+  out[#out + 1] = math.floor(rate * 1000)
+end
+return out
+";
+
+/// Registers this node and answers how many nodes synced lately.
+const NODES_SCRIPT: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], 60000)
+return redis.call('ZCARD', KEYS[1])
+";
+
+/// Where and how to sync.
+#[derive(Debug, Clone)]
+pub struct SyncSettings {
+    /// Redis URLs: one server, or seed nodes of a cluster.
+    pub urls: Vec<String>,
+    /// The URLs are a Redis Cluster.
+    pub cluster: bool,
+    /// Prefix of every key this fleet writes.
+    pub prefix: String,
+    /// How often to sync.
+    pub interval: Duration,
+    /// This node's name in the fleet.
+    pub node_id: String,
+}
+
+/// The sync's state, for `/metrics` and `/readyz`.
+#[derive(Debug)]
+pub struct RateSync {
+    /// The node's limiter.
+    pub limiter: Arc<Limiter>,
+    /// Sync interval.
+    pub interval: Duration,
+    /// Successful syncs.
+    pub ok: AtomicU64,
+    /// Failed syncs (unreachable, slow or refused).
+    pub failed: AtomicU64,
+    /// Keys reported by the last successful sync.
+    pub keys: AtomicU64,
+    /// Bytes of requests sent, in total.
+    pub bytes_sent: AtomicU64,
+    /// Live nodes seen by the last successful sync.
+    pub nodes: AtomicU64,
+    /// When the last sync succeeded (unix ms; 0: never).
+    pub last_ok_ms: AtomicU64,
+    /// How long the last successful sync took, in µs.
+    pub last_us: AtomicU64,
+}
+
+impl RateSync {
+    /// `synced`, `lost` or `starting`.
+    pub fn state(&self) -> &'static str {
+        match self.limiter.fleet_state() {
+            Some(f) if f.lost() => "lost",
+            _ if self.last_ok_ms.load(Ordering::Relaxed) == 0 => "starting",
+            _ => "synced",
+        }
+    }
+
+    /// Milliseconds since the last successful sync.
+    pub fn since_ok_ms(&self) -> Option<u64> {
+        let last = self.last_ok_ms.load(Ordering::Relaxed);
+        (last > 0).then(|| unix_ms().saturating_sub(last))
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| u64::try_from(d.as_millis()).unwrap_or(0)).unwrap_or(0)
+}
+
+/// A key this node reports.
+struct Active {
+    bucket: Arc<postern_builtin_filters::ratelimit::Bucket>,
+    interval_ns: u64,
+    burst: u64,
+    /// The rate (tokens asked for a second) last reported, and when (limiter ns).
+    rate: f64,
+    reported_at: u64,
+    /// Counts not yet reported.
+    asked: u64,
+    admitted: u64,
+}
+
+/// One key's line in a report.
+struct Line {
+    key: u64,
+    admitted: u64,
+    rate: f64,
+    /// This node's previous rate as the fleet's sum holds it now (faded since).
+    old: f64,
+}
+
+enum Conn {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// Starts the sync on its own thread. Returns its state.
+pub fn start(limiter: Arc<Limiter>, settings: SyncSettings) -> anyhow::Result<Arc<RateSync>> {
+    if limiter.fleet_state().is_none() {
+        anyhow::bail!("the rate limiter is not in fleet mode");
+    }
+    let state = Arc::new(RateSync {
+        limiter,
+        interval: settings.interval,
+        ok: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+        keys: AtomicU64::new(0),
+        bytes_sent: AtomicU64::new(0),
+        nodes: AtomicU64::new(0),
+        last_ok_ms: AtomicU64::new(0),
+        last_us: AtomicU64::new(0),
+    });
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let s = state.clone();
+    std::thread::Builder::new().name("postern-ratesync".into()).spawn(move || rt.block_on(run(s, settings)))?;
+    Ok(state)
+}
+
+async fn connect(settings: &SyncSettings, timeout: Duration) -> redis::RedisResult<Conn> {
+    if settings.cluster {
+        let client = redis::cluster::ClusterClient::builder(settings.urls.clone())
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .retries(0)
+            .build()?;
+        Ok(Conn::Cluster(client.get_async_connection().await?))
+    } else {
+        let url = settings.urls.first().map(String::as_str).unwrap_or("redis://127.0.0.1:6379");
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(0);
+        Ok(Conn::Single(redis::aio::ConnectionManager::new_with_config(client, config).await?))
+    }
+}
+
+async fn run(state: Arc<RateSync>, settings: SyncSettings) {
+    let Some(fleet) = state.limiter.fleet_state() else { return };
+    let keys_script = redis::Script::new(KEYS_SCRIPT);
+    let nodes_script = redis::Script::new(NODES_SCRIPT);
+    let budget = settings.interval.mul_f64(0.8);
+    let mut active: HashMap<u64, Active, foldhash::fast::RandomState> = HashMap::default();
+    let mut touched = Vec::new();
+    let mut conn: Option<Conn> = None;
+    let mut ticker = tokio::time::interval(settings.interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let started = Instant::now();
+    let mut last_ok = started;
+    loop {
+        ticker.tick().await;
+        touched.clear();
+        fleet.drain(&mut touched);
+        collect(&mut active, &touched);
+        let now = state.limiter.now();
+        let lines = report(&mut active, now, settings.interval, fleet.even_share());
+
+        let t0 = Instant::now();
+        if conn.is_none() {
+            match tokio::time::timeout(budget, connect(&settings, budget)).await {
+                Ok(Ok(c)) => conn = Some(c),
+                Ok(Err(e)) => tracing::debug!(error = %e, "rate sync: cannot connect"),
+                Err(_) => tracing::debug!("rate sync: connect timed out"),
+            }
+        }
+        let result = match conn.as_mut() {
+            None => Err("not connected".to_owned()),
+            Some(c) => {
+                let call = sync(c, &keys_script, &nodes_script, &settings, &active, &lines, &state);
+                match tokio::time::timeout(budget, call).await {
+                    Ok(r) => r,
+                    Err(_) => Err("timed out".to_owned()),
+                }
+            }
+        };
+        match result {
+            Ok((answers, nodes)) => {
+                let now = state.limiter.now();
+                fleet.set_nodes(nodes);
+                apply(&mut active, &lines, &answers, now, fleet.even_share());
+                last_ok = Instant::now();
+                state.nodes.store(nodes, Ordering::Relaxed);
+                state.keys.store(lines.len() as u64, Ordering::Relaxed);
+                state.last_us.store(u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+                state.last_ok_ms.store(unix_ms(), Ordering::Relaxed);
+                state.ok.fetch_add(1, Ordering::Relaxed);
+                if fleet.lost() {
+                    tracing::info!(nodes, "rate sync back");
+                }
+                fleet.set_lost(false);
+            }
+            Err(why) => {
+                state.failed.fetch_add(1, Ordering::Relaxed);
+                // A broken connection is made again next time; the manager would retry
+                // on its own, but with our timeouts a fresh one is simpler to reason about.
+                conn = None;
+                if last_ok.elapsed() >= settings.interval * LOST_AFTER && !fleet.lost() {
+                    tracing::warn!(error = %why, "rate sync lost: nodes keep their last shares");
+                    fleet.set_lost(true);
+                }
+            }
+        }
+    }
+}
+
+/// Adds buckets checked since the last sync to the reported set.
+fn collect(active: &mut HashMap<u64, Active, foldhash::fast::RandomState>, touched: &[Touched]) {
+    for t in touched {
+        let a = active.entry(t.key).or_insert_with(|| Active {
+            bucket: t.bucket.clone(),
+            interval_ns: t.interval_ns,
+            burst: t.burst,
+            rate: 0.0,
+            reported_at: 0,
+            asked: 0,
+            admitted: 0,
+        });
+        if !Arc::ptr_eq(&a.bucket, &t.bucket) {
+            // The bucket was evicted and made again: report for the live one.
+            a.bucket = t.bucket.clone();
+        }
+        a.interval_ns = t.interval_ns;
+        a.burst = t.burst;
+    }
+}
+
+/// Takes every active bucket's counts and makes this sync's lines; drops keys idle on
+/// this node since their last report of zero, giving their buckets an even share again.
+fn report(
+    active: &mut HashMap<u64, Active, foldhash::fast::RandomState>,
+    now: u64,
+    interval: Duration,
+    even: u32,
+) -> Vec<Line> {
+    let mut lines = Vec::with_capacity(active.len());
+    active.retain(|&key, a| {
+        let (asked, admitted) = a.bucket.take_counts();
+        a.asked += asked;
+        a.admitted += admitted;
+        if a.asked == 0 && a.rate == 0.0 {
+            a.bucket.set_share(even);
+            return false;
+        }
+        let window = if a.reported_at == 0 {
+            interval.as_secs_f64()
+        } else {
+            (now.saturating_sub(a.reported_at) as f64 / 1e9).max(0.001)
+        };
+        let old = a.rate * (-window / TAU_S).exp();
+        lines.push(Line { key, admitted: a.admitted, rate: a.asked as f64 / window, old });
+        true
+    });
+    lines
+}
+
+fn push_key(out: &mut Vec<u8>, prefix: &str, key: u64) {
+    out.clear();
+    let mut s = String::with_capacity(prefix.len() + 24);
+    let _ = write!(s, "{prefix}{{{:03x}}}:{key:016x}", key % SHARDS);
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Builds the script calls, one per shard, and runs them; returns each line's answer
+/// (fleet tokens, fleet rate) in line order, and the live node count.
+async fn sync(
+    conn: &mut Conn,
+    keys_script: &redis::Script,
+    nodes_script: &redis::Script,
+    settings: &SyncSettings,
+    active: &HashMap<u64, Active, foldhash::fast::RandomState>,
+    lines: &[Line],
+    state: &RateSync,
+) -> Result<(Vec<(f64, f64)>, u64), String> {
+    // Lines grouped by shard, keeping each line's index.
+    let mut by_shard: HashMap<u64, Vec<usize>, foldhash::fast::RandomState> = HashMap::default();
+    for (i, l) in lines.iter().enumerate() {
+        by_shard.entry(l.key % SHARDS).or_default().push(i);
+    }
+    let horizon = settings.interval.as_secs_f64();
+    let mut calls: Vec<(Cmd, Vec<usize>)> = Vec::with_capacity(by_shard.len());
+    let mut name = Vec::new();
+    for (_, idx) in by_shard {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(keys_script.get_hash()).arg(idx.len());
+        let mut ttl_ms = 30_000u64;
+        for &i in &idx {
+            push_key(&mut name, &settings.prefix, lines[i].key);
+            cmd.arg(&name[..]);
+            if let Some(a) = active.get(&lines[i].key) {
+                // Keep a key's state at least as long as its bucket takes to fill.
+                ttl_ms = ttl_ms.max(a.burst.saturating_mul(a.interval_ns) / 1_000_000 * 2);
+            }
+        }
+        cmd.arg(TAU_S).arg(horizon).arg(ttl_ms);
+        for &i in &idx {
+            let l = &lines[i];
+            let (rps, burst) = active.get(&l.key).map_or((1.0, 1), |a| (1e9 / a.interval_ns.max(1) as f64, a.burst));
+            cmd.arg(l.admitted).arg(round3(l.rate)).arg(round3(l.old)).arg(round3(rps)).arg(burst);
+        }
+        calls.push((cmd, idx));
+    }
+    let mut nodes_cmd = redis::cmd("EVALSHA");
+    nodes_cmd.arg(nodes_script.get_hash()).arg(1).arg(format!("{}nodes", settings.prefix));
+    nodes_cmd.arg(&settings.node_id).arg(NODE_TTL_S);
+
+    let bytes: usize =
+        calls.iter().map(|(c, _)| c.get_packed_command().len()).sum::<usize>() + nodes_cmd.get_packed_command().len();
+    state.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+
+    let replies = match conn {
+        Conn::Single(c) => {
+            let mut pipe = redis::pipe();
+            pipe.add_command(nodes_cmd.clone());
+            for (cmd, _) in &calls {
+                pipe.add_command(cmd.clone());
+            }
+            let first: redis::RedisResult<Vec<Value>> = pipe.query_async(c).await;
+            match first {
+                Err(e) if is_noscript(&e) => {
+                    load(c, &[keys_script, nodes_script]).await?;
+                    pipe.query_async(c).await.map_err(|e| e.to_string())?
+                }
+                other => other.map_err(|e| e.to_string())?,
+            }
+        }
+        Conn::Cluster(c) => {
+            let mut out = Vec::with_capacity(calls.len() + 1);
+            for attempt in 0..2 {
+                let all = std::iter::once(&nodes_cmd).chain(calls.iter().map(|(cmd, _)| cmd));
+                let futs = all.map(|cmd| {
+                    let mut c = c.clone();
+                    async move { cmd.query_async::<Value>(&mut c).await }
+                });
+                let results = futures_util::future::join_all(futs).await;
+                if attempt == 0 && results.iter().any(|r| matches!(r, Err(e) if is_noscript(e))) {
+                    load(c, &[keys_script, nodes_script]).await?;
+                    continue;
+                }
+                out = results.into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
+                break;
+            }
+            out
+        }
+    };
+    let mut it = replies.into_iter();
+    let nodes = match it.next() {
+        Some(Value::Int(n)) => u64::try_from(n).unwrap_or(1),
+        other => return Err(format!("unexpected node count {other:?}")),
+    };
+    let mut answers = vec![(0.0, 0.0); lines.len()];
+    for ((_, idx), reply) in calls.iter().zip(it) {
+        let Value::Array(values) = reply else { return Err(format!("unexpected reply {reply:?}")) };
+        if values.len() != idx.len() * 2 {
+            return Err("short reply".to_owned());
+        }
+        for (k, &i) in idx.iter().enumerate() {
+            let num = |v: &Value| match v {
+                Value::Int(n) => Ok(*n as f64 / 1000.0),
+                other => Err(format!("unexpected value {other:?}")),
+            };
+            answers[i] = (num(&values[2 * k])?, num(&values[2 * k + 1])?);
+        }
+    }
+    Ok((answers, nodes))
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn is_noscript(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
+async fn load(c: &mut impl ConnectionLike, scripts: &[&redis::Script]) -> Result<(), String> {
+    for s in scripts {
+        s.prepare_invoke().load_async(c).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Sets each reported bucket's share and level from the fleet's answer.
+fn apply(
+    active: &mut HashMap<u64, Active, foldhash::fast::RandomState>,
+    lines: &[Line],
+    answers: &[(f64, f64)],
+    now: u64,
+    even: u32,
+) {
+    for (l, &(tokens, fleet_rate)) in lines.iter().zip(answers) {
+        let Some(a) = active.get_mut(&l.key) else { continue };
+        let share = if l.rate > 0.0 && fleet_rate > 0.0 {
+            let s = (l.rate / fleet_rate).min(1.0) * f64::from(SHARE_ONE);
+            s as u32
+        } else {
+            even
+        };
+        a.bucket.apply(now, share, tokens, a.interval_ns, a.burst);
+        a.rate = l.rate;
+        a.reported_at = now;
+        a.asked = 0;
+        a.admitted = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_names_keep_a_key_in_its_shard_slot() {
+        let mut out = Vec::new();
+        push_key(&mut out, "p:", 0x1234_5678_9abc_def0);
+        assert_eq!(std::str::from_utf8(&out).unwrap_or_default(), "p:{2f0}:123456789abcdef0");
+    }
+}
