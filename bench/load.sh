@@ -33,6 +33,7 @@ scopes: [orders:read]
 products: [orders]
 plans:
   partner: { products: [orders] }
+  metered: { products: [orders], rateLimit: { rps: 1000000000, burst: 1000000000 } }
 Y
 # Credentials: a signing key (ES256) and an API key, made the way the demo makes them.
 ctl="$root/target/release/posternctl"
@@ -40,6 +41,8 @@ ctl="$root/target/release/posternctl"
 { echo "jwt: { audiences: [api.example.com] }"; echo "apps: { bench-app: { plan: partner, tenant: acme } }";
   echo "signing_keys:"; cat "$work/signing.yaml"; } > "$work/repo/platform/auth.yaml"
 key=$("$ctl" key new "$work/repo" --id bench-key --app bench-app --tenant acme --plan partner --scope orders:read)
+# A key on a plan with a (never reached) rate limit: the same route, plus a bucket check.
+key_limited=$("$ctl" key new "$work/repo" --id bench-metered --app bench-app --tenant acme --plan metered --scope orders:read)
 jwt=$("$ctl" token mint --key "$work/signing.pem" --kid bench-1 --issuer https://id.example.com \
   --audience api.example.com --sub alice --client-id bench-app --scope orders:read --ttl 60m)
 cat > "$work/repo/teams/bench/routes.yaml" <<'Y'
@@ -74,9 +77,12 @@ routes:
         config: { set: { x-bench: "1" } }
 Y
 "$ctl" compile "$work/repo" -o "$work/snapshot.json" >&2
-POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/snapshot.json" \
-  --public 127.0.0.1:18090 --partner 127.0.0.1:18091 --admin 127.0.0.1:18092 --workers 1 &
-pid=$!
+start_postern() {
+  POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/snapshot.json" \
+    --public 127.0.0.1:18090 --partner 127.0.0.1:18091 --admin 127.0.0.1:18092 --workers 1 "$@" &
+  pid=$!
+}
+start_postern
 trap 'kill $pid 2>/dev/null; rm -rf "$work"' EXIT
 sleep 0.5
 bash "$peers" "postern=http://127.0.0.1:18090/v1/orders/1=$pid" \
@@ -112,3 +118,12 @@ bench_h() { # name url [header]
 bench_h postern "http://127.0.0.1:18090/v1/orders/1"
 bench_h postern+apikey "http://127.0.0.1:18090/v1/auth/1" "x-api-key: $key"
 bench_h postern+jwt "http://127.0.0.1:18090/v1/auth/1" "authorization: Bearer $jwt"
+bench_h postern+apikey+limit "http://127.0.0.1:18090/v1/auth/1" "x-api-key: $key_limited"
+# The same, with the node in a fleet: buckets count, and a sync thread reports to Redis.
+if redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
+  kill $pid; wait $pid 2>/dev/null || true
+  start_postern --ratelimit-redis redis://127.0.0.1:6379 --ratelimit-prefix "postern-bench:$$:"
+  trap 'kill $pid $backend 2>/dev/null; rm -rf "$work"' EXIT
+  sleep 1
+  bench_h postern+apikey+limit+fleet "http://127.0.0.1:18090/v1/auth/1" "x-api-key: $key_limited"
+fi

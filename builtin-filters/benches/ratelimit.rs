@@ -56,6 +56,33 @@ fn bench(c: &mut Criterion) {
     });
     stop.store(true, Ordering::Relaxed);
     let _ = other.join();
+
+    // In a fleet: every take also counts what was asked and admitted, and the first take
+    // of a sync period queues the bucket.
+    let fleet = Arc::new(Limiter::fleet(1 << 20));
+    for k in 0..100_000u64 {
+        let _ = fleet.take(k, &lim, 1, 0);
+    }
+    c.bench_function("fleet limiter take (lookup among 100k + CAS + count)", |bn| {
+        bn.iter(|| {
+            k = (k + 7919) % 100_000;
+            black_box(fleet.take(black_box(k), &lim, 1, fleet.now()))
+        })
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (fleet, stop, lim) = (fleet.clone(), stop.clone(), lim.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                black_box(fleet.take(42, &lim, 1, fleet.now()));
+            }
+        })
+    };
+    c.bench_function("fleet limiter take, a second thread taking from the same key", |bn| {
+        bn.iter(|| black_box(fleet.take(black_box(42), &lim, 1, fleet.now())))
+    });
+    stop.store(true, Ordering::Relaxed);
+    let _ = other.join();
 }
 
 fn limit() -> postern_builtin_filters::ratelimit::Limit {

@@ -9,6 +9,8 @@ pub mod config;
 pub mod credentials;
 pub mod filter_run;
 pub mod keys;
+pub mod serve;
+pub mod store;
 
 use std::path::Path;
 

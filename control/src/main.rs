@@ -52,6 +52,53 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Serve the control plane: publish versions from the repository into the store and
+    /// deliver them to nodes.
+    Serve {
+        /// The config repository.
+        repo: PathBuf,
+        /// Version store: a directory (embedded) or a postgres:// URL.
+        #[arg(long)]
+        store: String,
+        /// Admin tokens (JSON list of {name, role, sha256}).
+        #[arg(long)]
+        tokens: PathBuf,
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:9400")]
+        listen: std::net::SocketAddr,
+    },
+    /// Compile the repository on the control plane and publish what changed.
+    Publish {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// Wait up to this many seconds for every live node to apply new credentials.
+        #[arg(long, default_value_t = 0)]
+        wait_acks: u64,
+    },
+    /// Publish an earlier snapshot's contents as a new version, to every node at once.
+    Rollback {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// The version whose contents to publish again.
+        #[arg(long)]
+        to: u64,
+    },
+    /// Which nodes run which version.
+    Status {
+        #[command(flatten)]
+        control: ControlArgs,
+    },
+}
+
+/// How to reach a serving control plane.
+#[derive(Args)]
+struct ControlArgs {
+    /// Control plane URL.
+    #[arg(long, default_value = "http://127.0.0.1:9400")]
+    control: String,
+    /// Admin token (or POSTERN_TOKEN).
+    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
+    token: String,
 }
 
 #[derive(Subcommand)]
@@ -421,5 +468,35 @@ fn main() -> ExitCode {
         Command::Validate { repo } => validate(&repo),
         Command::Key { command } => report(key(command)),
         Command::Token { command } => report(token(command)),
+        Command::Serve { repo, store, tokens, listen } => report(serve(repo, &store, tokens, listen)),
+        Command::Publish { control, wait_acks } => {
+            report(call(&control, "POST", &format!("/v1/publish?wait_acks={wait_acks}")))
+        }
+        Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
+        Command::Status { control } => report(call(&control, "GET", "/v1/status")),
     }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+}
+
+fn serve(repo: PathBuf, store: &str, tokens: PathBuf, listen: std::net::SocketAddr) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        let store = posternctl::store::Store::open(store).await?;
+        posternctl::serve::serve(posternctl::serve::ServeSettings { repo, listen, tokens }, store).await
+    })
+}
+
+/// One request to the control plane; prints the answer (the summary line for status).
+fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
+    let url = format!("{}{path}", control.control.trim_end_matches('/'));
+    let (status, body) = runtime()?.block_on(posternctl::serve::request(method, &url, &control.token))?;
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    if let Some(summary) = v["summary"].as_str() {
+        println!("{summary}");
+    }
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    anyhow::ensure!(status.is_success(), "control plane answered {status}");
+    Ok(())
 }

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod body;
+pub mod control;
 pub mod headers;
 pub mod metrics;
 pub mod proxy;

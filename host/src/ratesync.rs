@@ -484,6 +484,68 @@ fn apply(
 mod tests {
     use super::*;
 
+    use postern_builtin_filters::ratelimit::Limit;
+    use postern_model::Rate;
+
+    fn setup() -> (Limiter, Limit, HashMap<u64, Active, foldhash::fast::RandomState>) {
+        let limiter = Limiter::fleet(1024);
+        let limit = Limit::from_rate("c", &Rate { rps: 100, burst: 10 }).unwrap_or_else(|e| panic!("{e}"));
+        (limiter, limit, HashMap::default())
+    }
+
+    fn drain(limiter: &Limiter, active: &mut HashMap<u64, Active, foldhash::fast::RandomState>) {
+        let mut touched = Vec::new();
+        if let Some(f) = limiter.fleet_state() {
+            f.drain(&mut touched);
+        }
+        collect(active, &touched);
+    }
+
+    #[test]
+    fn a_report_carries_rates_and_a_share_follows_the_fleet_rate() {
+        let (limiter, limit, mut active) = setup();
+        let now = limiter.now() + 1_000_000_000;
+        for _ in 0..50 {
+            let _ = limiter.take(1, &limit, 1, now);
+        }
+        drain(&limiter, &mut active);
+        let lines = report(&mut active, now, Duration::from_millis(500), SHARE_ONE / 2);
+        assert_eq!(lines.len(), 1);
+        // 50 asked in a first window of 500 ms: 100/s; the even share was the whole
+        // burst of 10 (a node alone before its first sync).
+        assert_eq!((lines[0].admitted, lines[0].rate, lines[0].old), (10, 100.0, 0.0));
+        // The fleet asks for 400/s in all: this node holds a quarter.
+        apply(&mut active, &lines, &[(0.0, 400.0)], now, SHARE_ONE / 2);
+        assert_eq!(active[&1].bucket.share(), SHARE_ONE / 4);
+        assert_eq!(active[&1].rate, 100.0);
+        // Nothing asked since: one more report of zero, then the key leaves and its
+        // bucket goes back to an even share.
+        let later = now + 500_000_000;
+        let lines = report(&mut active, later, Duration::from_millis(500), SHARE_ONE / 3);
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0].rate, 0.0);
+        assert!((lines[0].old - 100.0 * (-0.5f64 / TAU_S).exp()).abs() < 1e-9);
+        apply(&mut active, &lines, &[(10.0, 300.0)], later, SHARE_ONE / 3);
+        let bucket = active[&1].bucket.clone();
+        assert!(report(&mut active, later + 500_000_000, Duration::from_millis(500), SHARE_ONE / 3).is_empty());
+        assert!(active.is_empty());
+        assert_eq!(bucket.share(), SHARE_ONE / 3);
+    }
+
+    #[test]
+    fn counts_from_failed_syncs_are_reported_next_time() {
+        let (limiter, limit, mut active) = setup();
+        let now = limiter.now() + 1_000_000_000;
+        let _ = limiter.take(5, &limit, 3, now);
+        drain(&limiter, &mut active);
+        let _ = report(&mut active, now, Duration::from_millis(500), SHARE_ONE);
+        // No apply (the sync failed); more traffic; the next report holds both.
+        let _ = limiter.take(5, &limit, 2, now);
+        drain(&limiter, &mut active);
+        let lines = report(&mut active, now + 500_000_000, Duration::from_millis(500), SHARE_ONE);
+        assert_eq!(lines[0].admitted, 5);
+    }
+
     #[test]
     fn key_names_keep_a_key_in_its_shard_slot() {
         let mut out = Vec::new();

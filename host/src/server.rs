@@ -82,6 +82,13 @@ pub struct Args {
     /// This node's name in the fleet (default: host name, process id and a random tag).
     #[arg(long)]
     pub node_id: Option<String>,
+    /// Control plane to receive snapshots and credentials from (`http://host:port`). The
+    /// snapshot file is still where the node boots from when the control plane is away.
+    #[arg(long)]
+    pub control: Option<String>,
+    /// Bearer token (role `node`) for `--control` (or POSTERN_CONTROL_TOKEN).
+    #[arg(long, env = "POSTERN_CONTROL_TOKEN", hide_env_values = true)]
+    pub control_token: Option<String>,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -215,8 +222,7 @@ fn file_stamp(path: &Path) -> Option<(SystemTime, u64)> {
     Some((m.modified().ok()?, m.len()))
 }
 
-/// Reads and builds the snapshot at `path` and swaps it in, unless it is the one already
-/// live or older than it. A refused snapshot leaves the live one serving.
+/// Reads the snapshot file and swaps it in, unless it fails to build or is not newer.
 pub fn reload(gw: &Gateway, builder: &Builder, path: &Path) {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
@@ -226,48 +232,66 @@ pub fn reload(gw: &Gateway, builder: &Builder, path: &Path) {
             return;
         }
     };
-    let started = std::time::Instant::now();
-    match builder.build_bytes(&bytes) {
-        Err(e) => {
-            gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(path = %path.display(), error = %e, "snapshot refused; keeping the live one");
-        }
-        Ok(live) => {
-            let current = gw.live.load();
-            if live.hash == current.hash {
-                return;
-            }
-            if live.version <= current.version {
-                gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    version = live.version,
-                    live_version = current.version,
-                    "snapshot refused: its version is not newer than the live one (versions are never reused)"
-                );
-                return;
-            }
-            let (version, hash, routes) = (live.version, live.hash.clone(), live.route_count);
-            gw.live.store(Arc::new(live));
-            gw.metrics.reloads_ok.fetch_add(1, Ordering::Relaxed);
-            gw.metrics.snapshot_version.store(version, Ordering::Relaxed);
-            tracing::info!(version, %hash, routes, build_ms = started.elapsed().as_millis() as u64, "snapshot live");
-        }
+    if let Err(e) = apply_snapshot(gw, builder, &bytes) {
+        tracing::error!(path = %path.display(), error = %e, "snapshot refused; keeping the live one");
     }
+}
+
+/// Builds a snapshot beside the live one and swaps it in if it builds and is newer (the
+/// same contents again are a no-op); otherwise the live one stays and the reason is
+/// returned.
+pub fn apply_snapshot(gw: &Gateway, builder: &Builder, bytes: &[u8]) -> Result<(), String> {
+    let started = std::time::Instant::now();
+    let refuse = |why: String| {
+        gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
+        Err(why)
+    };
+    let live = match builder.build_bytes(bytes) {
+        Ok(l) => l,
+        Err(e) => return refuse(e.to_string()),
+    };
+    let current = gw.live.load();
+    if live.hash == current.hash {
+        return Ok(());
+    }
+    if live.version <= current.version {
+        return refuse(format!(
+            "version {} is not newer than the live {} (versions are never reused)",
+            live.version, current.version
+        ));
+    }
+    let (version, hash, routes) = (live.version, live.hash.clone(), live.route_count);
+    gw.live.store(Arc::new(live));
+    gw.metrics.reloads_ok.fetch_add(1, Ordering::Relaxed);
+    gw.metrics.snapshot_version.store(version, Ordering::Relaxed);
+    tracing::info!(version, %hash, routes, build_ms = started.elapsed().as_millis() as u64, "snapshot live");
+    Ok(())
 }
 
 /// Reads the credentials file and swaps it in whole, unless it is not newer than the live
 /// one; a refused file leaves the live state in place.
 pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), String> {
+    let result = match std::fs::read(path) {
+        Ok(bytes) => apply_credentials(gw, &bytes),
+        Err(e) => {
+            gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
+            Err(format!("cannot read: {e}"))
+        }
+    };
+    if let Err(why) = &result {
+        tracing::error!(path = %path.display(), error = %why, "credentials refused; keeping the live ones");
+    }
+    result
+}
+
+/// Swaps in a credential state if it opens, builds and is newer; the same version again
+/// is a no-op; otherwise the live state stays and the reason is returned.
+pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), String> {
     let refuse = |why: String| {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(path = %path.display(), error = %why, "credentials refused; keeping the live ones");
         Err(why)
     };
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) => return refuse(format!("cannot read: {e}")),
-    };
-    let (file, creds) = match postern_model::credentials::Credentials::open(&bytes) {
+    let (file, creds) = match postern_model::credentials::Credentials::open(bytes) {
         Ok(x) => x,
         Err(e) => return refuse(e.to_string()),
     };
@@ -358,27 +382,43 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         metering: true,
     })
     .context("cannot start the Wasm runtime")?;
+    let node_id = args.node_id.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}-{:08x}", host.trim(), std::process::id(), fastrand::u32(..))
+    });
     let mut builder = Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules"));
     let ratesync = if args.ratelimit_redis.is_empty() {
         None
     } else {
         let limiter = Arc::new(postern_builtin_filters::ratelimit::Limiter::fleet(crate::snapshot::RATE_BUCKETS));
         builder.use_limiter(limiter.clone());
-        let node_id = args.node_id.clone().unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            format!("{}-{}-{:08x}", host.trim(), std::process::id(), fastrand::u32(..))
-        });
         let settings = crate::ratesync::SyncSettings {
             urls: args.ratelimit_redis.clone(),
             cluster: args.ratelimit_cluster,
             prefix: args.ratelimit_prefix.clone(),
             interval: Duration::from_millis(args.ratelimit_sync_ms.max(50)),
-            node_id,
+            node_id: node_id.clone(),
         };
         tracing::info!(redis = ?settings.urls, cluster = settings.cluster, node = %settings.node_id, "fleet-wide rate limits");
         Some(crate::ratesync::start(limiter, settings).context("cannot start the rate sync")?)
     };
     let builder = Arc::new(builder);
+    let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
+    let control = args.control.as_ref().map(|url| crate::control::ControlSettings {
+        url: url.clone(),
+        token: args.control_token.clone().unwrap_or_default(),
+        node_id: node_id.clone(),
+        snapshot: args.snapshot.clone(),
+        credentials: credentials.clone(),
+        modules: snapshot_dir.join("modules"),
+    });
+    if let Some(c) = &control
+        && !args.snapshot.exists()
+    {
+        // First boot: nothing on disk yet, so wait for the control plane's head.
+        let bytes = crate::control::fetch_first(c, Duration::from_secs(30)).await?;
+        crate::control::write_atomic(&args.snapshot, &bytes).map_err(|e| anyhow::anyhow!(e))?;
+    }
     let bytes =
         std::fs::read(&args.snapshot).with_context(|| format!("cannot read snapshot {}", args.snapshot.display()))?;
     let live = builder.build_bytes(&bytes).with_context(|| format!("snapshot {} refused", args.snapshot.display()))?;
@@ -386,7 +426,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
     let auth = builder.authenticator().clone();
     let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync });
-    let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
     if credentials.exists() {
         reload_credentials(&gw, &credentials)
             .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;
@@ -411,6 +450,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         std::fs::rename(&tmp, p).with_context(|| format!("cannot write {}", p.display()))?;
     }
 
+    if let Some(c) = control {
+        crate::control::start(gw.clone(), builder.clone(), c);
+    }
     let graceful = Arc::new(GracefulShutdown::new());
     let (stop_tx, stop_rx) = watch::channel(false);
     let watch_every = Duration::from_millis(args.watch_interval_ms.max(10));

@@ -174,10 +174,19 @@ struct Redis {
     child: Option<Child>,
 }
 
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 impl Redis {
     fn start_on(port: u16) -> Redis {
+        Redis::start_with(port, &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> Redis {
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -191,8 +200,7 @@ impl Redis {
     }
 
     fn start() -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        Redis::start_on(port)
+        Redis::start_on(free_port())
     }
 
     fn stop(&mut self) {
@@ -263,4 +271,72 @@ async fn with_redis_stopped_nodes_keep_their_shares_and_recover() {
     spread(&f, &f.keys[0], 200.0, &[0.5, 0.5], 3.0, &after).await;
     let ok = after.ok.load(Ordering::Relaxed) as f64;
     assert!((ok - 320.0).abs() <= 0.15 * 320.0, "admitted {ok} after recovery, expected about 3 s x 100 + 20");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_holds_the_limit_too() {
+    // Three masters on ephemeral ports, slots spread by redis-cli.
+    let dir = tempfile::tempdir().unwrap();
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        let (port, bus) = (free_port(), free_port());
+        let conf = dir.path().join(format!("nodes-{i}.conf"));
+        let args = ["--cluster-enabled", "yes", "--cluster-port", &bus.to_string(), "--cluster-config-file"];
+        let mut all: Vec<&str> = args.to_vec();
+        let conf = conf.display().to_string();
+        all.push(&conf);
+        servers.push(Redis::start_with(port, &all));
+    }
+    let addrs: Vec<String> = servers.iter().map(|r| format!("127.0.0.1:{}", r.port)).collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("redis-cli --cluster create");
+    assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
+    // Wait for every slot to be served.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let info = Command::new("redis-cli").args(["-p", &servers[0].port.to_string(), "cluster", "info"]).output();
+        if info.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the cluster never came up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write("platform/plans.yaml", PLANS);
+    repo.write("teams/t/routes.yaml", ROUTES);
+    let key = new_key(repo.path(), "k-c", "app-c", "acme", "metered", &[]);
+    let snap = repo.path().join("out/snapshot.json");
+    std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+    repo.compile_ok(&snap);
+    let seed = format!("redis://{}", addrs[0]);
+    let nodes: Vec<Node> = (0..2)
+        .map(|i| {
+            let id = format!("c-{i}");
+            Node::start(&snap, &["--ratelimit-redis", &seed, "--ratelimit-cluster", "--node-id", &id])
+        })
+        .collect();
+    let f = Fleet { _echo: echo, _repo: repo, nodes, keys: vec![key] };
+    wait_synced(&f, 2).await;
+
+    let t = Arc::new(Tally::default());
+    spread(&f, &f.keys[0], 250.0, &[0.8, 0.2], 5.0, &t).await;
+    let ok = t.ok.load(Ordering::Relaxed) as f64;
+    let expected = 100.0 * 5.0 + 20.0;
+    eprintln!("cluster: admitted {ok}, expected {expected}");
+    assert!((ok - expected).abs() <= 0.1 * expected, "admitted {ok}, expected {expected} ± 10 %");
+    // The keys landed on the cluster, spread over its slots by their hash tags.
+    let mut held = 0;
+    for r in &servers {
+        let o = Command::new("redis-cli").args(["-p", &r.port.to_string(), "dbsize"]).output().unwrap();
+        held += String::from_utf8_lossy(&o.stdout).trim().parse::<u64>().unwrap_or(0);
+    }
+    assert!(held >= 2, "one limit key and the node set: {held}");
+    drop(dir);
 }

@@ -1,0 +1,526 @@
+//! `posternctl serve`: publishes versions from the config repository into the store and
+//! delivers them to nodes.
+//!
+//! Nodes hold a long poll per lane (`GET /v1/nodes/<node>/<lane>?have=N&wait=S`): the
+//! answer comes as soon as the lane's head differs from `have`, or after `S` seconds with
+//! 204 — the long-lived stream and the periodic poll in one request. A node builds what it
+//! got beside its live state, swaps, and ACKs or NACKs (`POST .../ack`); `/v1/status`
+//! says who is on what. Publishing (`POST /v1/publish`) compiles the repository with the
+//! same compiler as `posternctl compile` and refuses, untouched, anything that fails;
+//! `POST /v1/rollback?to=N` publishes version N's contents as a new version. The fast
+//! lane (credentials) can wait for every live node's ACK before answering (`?wait_acks=S`).
+//!
+//! Every request carries a bearer token; tokens are listed by SHA-256 with a role:
+//! `platform` (publish, rollback), `node` (receive, ACK), or `team:<name>` (read status
+//! and audit). Every change is audited (who, what, when, version).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde::{Deserialize, Serialize};
+use sha2::Digest as _;
+use tokio::sync::watch;
+
+use crate::store::{Change, Kind, Store, Version};
+
+/// A node counts as live while it polled within this long.
+const LIVE_FOR: Duration = Duration::from_secs(60);
+/// Longest long poll.
+const MAX_WAIT_S: u64 = 60;
+/// How often to look for versions published by another instance.
+const STORE_POLL: Duration = Duration::from_millis(250);
+
+/// Serving settings.
+#[derive(Debug, Clone)]
+pub struct ServeSettings {
+    /// The config repository.
+    pub repo: PathBuf,
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Token list (JSON: `[{"name", "role", "sha256"}]`).
+    pub tokens: PathBuf,
+}
+
+/// One admin token.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenEntry {
+    /// Who holds it (audited).
+    pub name: String,
+    /// `platform`, `node` or `team:<name>`.
+    pub role: String,
+    /// SHA-256 of the token, hex.
+    pub sha256: String,
+}
+
+/// What a node last told us about one lane.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LaneState {
+    /// The version it runs.
+    pub version: u64,
+    /// The last version it refused, and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<(u64, String)>,
+}
+
+#[derive(Debug, Clone)]
+struct NodeState {
+    snapshot: LaneState,
+    credentials: LaneState,
+    seen: Instant,
+}
+
+struct Server {
+    store: Store,
+    repo: PathBuf,
+    tokens: Vec<TokenEntry>,
+    /// Heads by lane, as last seen; waiters watch them.
+    heads: watch::Sender<(u64, u64)>,
+    nodes: Mutex<BTreeMap<String, NodeState>>,
+    /// One publish at a time from this instance (the store orders instances).
+    publishing: tokio::sync::Mutex<()>,
+}
+
+type Body = Full<Bytes>;
+
+fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    r
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
+    json(status, &serde_json::json!({"error": msg.into()}))
+}
+
+/// Runs the control plane until the process is stopped.
+pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&settings.tokens)
+        .map_err(|e| anyhow::anyhow!("cannot read tokens {}: {e}", settings.tokens.display()))?;
+    let tokens: Vec<TokenEntry> =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("tokens {}: {e}", settings.tokens.display()))?;
+    for t in &tokens {
+        let role_ok =
+            t.role == "platform" || t.role == "node" || t.role.strip_prefix("team:").is_some_and(|n| !n.is_empty());
+        anyhow::ensure!(role_ok, "token {}: role must be platform, node or team:<name>", t.name);
+        anyhow::ensure!(
+            t.sha256.len() == 64 && hex::decode(&t.sha256).is_ok(),
+            "token {}: sha256 must be 64 hex digits",
+            t.name
+        );
+    }
+    let heads = (
+        store.head(Kind::Snapshot).await?.map_or(0, |v| v.number),
+        store.head(Kind::Credentials).await?.map_or(0, |v| v.number),
+    );
+    let server = Arc::new(Server {
+        store,
+        repo: settings.repo,
+        tokens,
+        heads: watch::Sender::new(heads),
+        nodes: Mutex::new(BTreeMap::new()),
+        publishing: tokio::sync::Mutex::new(()),
+    });
+    let listener = tokio::net::TcpListener::bind(settings.listen).await?;
+    let addr = listener.local_addr()?;
+    eprintln!("posternctl serve: listening on {addr}");
+    println!("{addr}");
+    {
+        let server = server.clone();
+        tokio::spawn(async move { server.watch_store().await });
+    }
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let server = server.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let server = server.clone();
+                async move { Ok::<_, std::convert::Infallible>(server.handle(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+impl Server {
+    /// Picks up versions another instance published.
+    async fn watch_store(&self) {
+        loop {
+            tokio::time::sleep(STORE_POLL).await;
+            let s = self.store.head(Kind::Snapshot).await.ok().flatten().map(|v| v.number);
+            let c = self.store.head(Kind::Credentials).await.ok().flatten().map(|v| v.number);
+            self.heads.send_if_modified(|h| {
+                let next = (s.unwrap_or(h.0).max(h.0), c.unwrap_or(h.1).max(h.1));
+                let changed = next != *h;
+                *h = next;
+                changed
+            });
+        }
+    }
+
+    fn who(&self, req: &Request<Incoming>) -> Option<&TokenEntry> {
+        let auth = req.headers().get(http::header::AUTHORIZATION)?.to_str().ok()?;
+        let token = auth.strip_prefix("Bearer ")?;
+        let digest = hex::encode(sha2::Sha256::digest(token.as_bytes()));
+        self.tokens.iter().find(|t| t.sha256.eq_ignore_ascii_case(&digest))
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let Some(who) = self.who(&req).cloned() else {
+            return error(StatusCode::UNAUTHORIZED, "a valid bearer token is required");
+        };
+        let path = req.uri().path().to_owned();
+        let query = req.uri().query().unwrap_or_default().to_owned();
+        let param = |name: &str| -> Option<String> {
+            query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=').map(str::to_owned))
+        };
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let role = who.role.as_str();
+        match (req.method().clone(), parts.as_slice()) {
+            (Method::GET, ["v1", "nodes", node, lane]) if role == "node" => {
+                let Some(kind) = lane_kind(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let have = param("have").and_then(|v| v.parse().ok()).unwrap_or(0);
+                let wait = param("wait").and_then(|v| v.parse().ok()).unwrap_or(25).min(MAX_WAIT_S);
+                // What the node runs now (it may have booted from disk, with no ACK).
+                if let Some(running) = param("running").and_then(|v| v.parse::<u64>().ok()) {
+                    self.record(node, kind, |lane| lane.version = running);
+                }
+                self.poll(node, kind, have, Duration::from_secs(wait)).await
+            }
+            (Method::POST, ["v1", "nodes", node, lane, "ack"]) if role == "node" => {
+                let Some(kind) = lane_kind(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let node = (*node).to_owned();
+                match read_json::<Ack>(req).await {
+                    Ok(ack) => self.ack(&node, kind, ack),
+                    Err(e) => e,
+                }
+            }
+            (Method::GET, ["v1", "modules", hex]) if role == "node" || role == "platform" => {
+                match self.store.module(hex).await {
+                    Ok(Some(b)) => Response::new(Full::new(Bytes::from(b))),
+                    Ok(None) => error(StatusCode::NOT_FOUND, "no such module"),
+                    Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                }
+            }
+            (Method::GET, ["v1", "status"]) if role != "node" => self.status().await,
+            (Method::GET, ["v1", "audit"]) if role != "node" => match self.store.audit().await {
+                Ok(a) => json(StatusCode::OK, &serde_json::to_value(a).unwrap_or_default()),
+                Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            },
+            (Method::POST, ["v1", "publish"]) if role == "platform" => {
+                let wait = param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
+                self.publish(&who.name, Duration::from_secs(wait)).await
+            }
+            (Method::POST, ["v1", "rollback"]) if role == "platform" => {
+                let Some(to) = param("to").and_then(|v| v.parse::<u64>().ok()) else {
+                    return error(StatusCode::BAD_REQUEST, "rollback needs ?to=<version>");
+                };
+                self.rollback(&who.name, to).await
+            }
+            (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
+            _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+        }
+    }
+
+    fn touch(&self, node: &str) {
+        if let Ok(mut nodes) = self.nodes.lock() {
+            let n = nodes.entry(node.to_owned()).or_insert_with(|| NodeState {
+                snapshot: LaneState::default(),
+                credentials: LaneState::default(),
+                seen: Instant::now(),
+            });
+            n.seen = Instant::now();
+        }
+    }
+
+    async fn poll(&self, node: &str, kind: Kind, have: u64, wait: Duration) -> Response<Body> {
+        self.touch(node);
+        let mut rx = self.heads.subscribe();
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let head = match kind {
+                Kind::Snapshot => rx.borrow_and_update().0,
+                Kind::Credentials => rx.borrow_and_update().1,
+            };
+            if head != 0 && head != have {
+                let got = self.store.head(kind).await;
+                self.touch(node);
+                return match got {
+                    Ok(Some(v)) => version_response(&v),
+                    Ok(None) => error(StatusCode::SERVICE_UNAVAILABLE, "no version"),
+                    Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                };
+            }
+            if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                self.touch(node);
+                let mut r = Response::new(Full::new(Bytes::new()));
+                *r.status_mut() = StatusCode::NO_CONTENT;
+                return r;
+            }
+        }
+    }
+
+    fn record(&self, node: &str, kind: Kind, f: impl FnOnce(&mut LaneState)) {
+        self.touch(node);
+        if let Ok(mut nodes) = self.nodes.lock()
+            && let Some(n) = nodes.get_mut(node)
+        {
+            f(match kind {
+                Kind::Snapshot => &mut n.snapshot,
+                Kind::Credentials => &mut n.credentials,
+            });
+        }
+    }
+
+    fn ack(&self, node: &str, kind: Kind, ack: Ack) -> Response<Body> {
+        let (ok, version, running) = (ack.ok, ack.version, ack.running);
+        let error = ack.error.unwrap_or_default();
+        self.record(node, kind, |lane| {
+            if ok {
+                lane.version = version;
+                lane.refused = None;
+            } else {
+                lane.refused = Some((version, error));
+            }
+            lane.version = lane.version.max(running);
+        });
+        if !ack.ok {
+            eprintln!("posternctl serve: node {node} refused {} v{}", kind.as_str(), ack.version);
+        }
+        json(StatusCode::OK, &serde_json::json!({"ok": true}))
+    }
+
+    fn live_nodes(&self) -> Vec<(String, NodeState)> {
+        let Ok(nodes) = self.nodes.lock() else { return Vec::new() };
+        nodes.iter().filter(|(_, n)| n.seen.elapsed() < LIVE_FOR).map(|(k, n)| (k.clone(), n.clone())).collect()
+    }
+
+    async fn status(&self) -> Response<Body> {
+        let (s, c) = *self.heads.borrow();
+        let live = self.live_nodes();
+        let on = |v: u64, lane: fn(&NodeState) -> &LaneState| live.iter().filter(|(_, n)| lane(n).version == v).count();
+        let on_snapshot = on(s, |n| &n.snapshot);
+        let on_credentials = on(c, |n| &n.credentials);
+        let laggards: Vec<&String> = live
+            .iter()
+            .filter(|(_, n)| n.snapshot.version != s || n.credentials.version != c)
+            .map(|(k, _)| k)
+            .collect();
+        let nodes: BTreeMap<&String, serde_json::Value> = live
+            .iter()
+            .map(|(k, n)| {
+                (
+                    k,
+                    serde_json::json!({
+                        "snapshot": n.snapshot,
+                        "credentials": n.credentials,
+                        "seen_ms_ago": n.seen.elapsed().as_millis() as u64,
+                    }),
+                )
+            })
+            .collect();
+        let summary = format!(
+            "{on_snapshot} of {} nodes on v{s}{}",
+            live.len(),
+            if laggards.is_empty() {
+                String::new()
+            } else {
+                format!("; behind: {}", laggards.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "))
+            }
+        );
+        json(
+            StatusCode::OK,
+            &serde_json::json!({
+                "summary": summary,
+                "snapshot": s,
+                "credentials": c,
+                "nodes_on_snapshot": on_snapshot,
+                "nodes_on_credentials": on_credentials,
+                "live_nodes": live.len(),
+                "laggards": laggards,
+                "nodes": nodes,
+            }),
+        )
+    }
+
+    /// Compiles the repository and publishes whatever changed.
+    async fn publish(&self, who: &str, wait_acks: Duration) -> Response<Body> {
+        let _one = self.publishing.lock().await;
+        let repo = self.repo.clone();
+        let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
+        let (snapshot, credentials, modules) = match compiled {
+            Ok(Ok(c)) => c,
+            Ok(Err(errors)) => {
+                return json(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    &serde_json::json!({"error": "refused", "errors": errors}),
+                );
+            }
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
+        for (hex, bytes) in &modules {
+            if let Err(e) = self.store.put_module(hex, bytes).await {
+                return error(StatusCode::SERVICE_UNAVAILABLE, format!("cannot store module {hex}: {e}"));
+            }
+        }
+        let s = match self
+            .store
+            .publish(&Change { kind: Kind::Snapshot, content: &snapshot, who, action: "publish", note: "" })
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let c = match self
+            .store
+            .publish(&Change { kind: Kind::Credentials, content: &credentials, who, action: "publish", note: "" })
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        self.heads.send_modify(|h| *h = (h.0.max(s.0.number), h.1.max(c.0.number)));
+        let mut body = serde_json::json!({
+            "snapshot": {"version": s.0.number, "hash": s.0.hash, "changed": s.1},
+            "credentials": {"version": c.0.number, "hash": c.0.hash, "changed": c.1},
+        });
+        if c.1 && !wait_acks.is_zero() {
+            // The fast lane: answer once every live node runs the new credentials.
+            let (acked, stale) = self.wait_acks(c.0.number, wait_acks).await;
+            body["credentials"]["acked"] = serde_json::json!(acked);
+            body["credentials"]["stale"] = serde_json::json!(stale);
+        }
+        json(StatusCode::OK, &body)
+    }
+
+    async fn wait_acks(&self, version: u64, limit: Duration) -> (Vec<String>, Vec<String>) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let live = self.live_nodes();
+            let (acked, stale): (Vec<_>, Vec<_>) =
+                live.into_iter().partition(|(_, n)| n.credentials.version >= version);
+            let names = |v: Vec<(String, NodeState)>| v.into_iter().map(|(k, _)| k).collect::<Vec<_>>();
+            if stale.is_empty() || Instant::now() >= deadline {
+                return (names(acked), names(stale));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn rollback(&self, who: &str, to: u64) -> Response<Body> {
+        let _one = self.publishing.lock().await;
+        let old = match self.store.get(Kind::Snapshot, to).await {
+            Ok(Some(v)) => v,
+            Ok(None) => return error(StatusCode::NOT_FOUND, format!("no snapshot v{to}")),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let content = match postern_model::SnapshotFile::open_envelope(&old.bytes) {
+            Ok(f) => f.content,
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
+        let note = format!("contents of v{to}");
+        let change = Change { kind: Kind::Snapshot, content: &content, who, action: "rollback", note: &note };
+        match self.store.publish(&change).await {
+            Ok((v, changed)) => {
+                self.heads.send_modify(|h| h.0 = h.0.max(v.number));
+                json(
+                    StatusCode::OK,
+                    &serde_json::json!({"snapshot": {"version": v.number, "hash": v.hash, "changed": changed, "contents_of": to}}),
+                )
+            }
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    }
+}
+
+fn lane_kind(s: &str) -> Option<Kind> {
+    match s {
+        "snapshot" => Some(Kind::Snapshot),
+        "credentials" => Some(Kind::Credentials),
+        _ => None,
+    }
+}
+
+fn version_response(v: &Version) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::copy_from_slice(&v.bytes)));
+    r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    if let Ok(h) = http::HeaderValue::from_str(&v.number.to_string()) {
+        r.headers_mut().insert("x-postern-version", h);
+    }
+    r
+}
+
+/// A node's answer about one version.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Ack {
+    /// The version it was given.
+    version: u64,
+    /// Applied.
+    ok: bool,
+    /// Why not.
+    #[serde(default)]
+    error: Option<String>,
+    /// The version it runs now.
+    #[serde(default)]
+    running: u64,
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
+    let body = Limited::new(req.into_body(), 64 * 1024)
+        .collect()
+        .await
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
+}
+
+type Compiled = (Box<serde_json::value::RawValue>, Box<serde_json::value::RawValue>, Vec<(String, Vec<u8>)>);
+
+/// Compiles the repository's snapshot and credential state, with the modules it names.
+fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
+    let compiled =
+        crate::compile::compile(repo).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())?;
+    let creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
+    let mut modules = Vec::new();
+    for (digest, src) in &compiled.modules {
+        let bytes = std::fs::read(src).map_err(|e| vec![format!("{}: {e}", src.display())])?;
+        modules.push((digest.trim_start_matches("sha256:").to_owned(), bytes));
+    }
+    let snapshot = serde_json::value::to_raw_value(&compiled.snapshot).map_err(|e| vec![e.to_string()])?;
+    let creds = serde_json::value::to_raw_value(&creds).map_err(|e| vec![e.to_string()])?;
+    Ok((snapshot, creds, modules))
+}
+
+/// One request to a control plane, as the CLI makes it.
+pub async fn request(method: &str, url: &str, token: &str) -> anyhow::Result<(StatusCode, Bytes)> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let req = Request::builder()
+        .method(method)
+        .uri(url)
+        .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+        .body(Full::new(Bytes::new()))?;
+    let resp = tokio::time::timeout(Duration::from_secs(MAX_WAIT_S + 10), client.request(req))
+        .await
+        .map_err(|_| anyhow::anyhow!("{url}: no answer"))?
+        .map_err(|e| anyhow::anyhow!("{url}: {e}"))?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await.map_err(|e| anyhow::anyhow!("{url}: {e}"))?.to_bytes();
+    Ok((status, body))
+}

@@ -1,0 +1,282 @@
+//! Receiving versions from the control plane (`--control`).
+//!
+//! One long poll per lane (snapshot, credentials): the control plane answers as soon as
+//! the lane has a version other than the one this node runs, or after 25 s with nothing,
+//! and the node asks again at once — a long-lived stream and a poll in one. A received
+//! snapshot is built beside the live one (off the request workers); only if it builds is
+//! it swapped in, written to disk atomically (so a restart without the control plane
+//! serves it) and ACKed; otherwise it is NACKed with the reason and the live one stays.
+//! Filter modules a snapshot names are fetched by digest first, checked against it, and
+//! kept beside the snapshot. The control plane going away changes nothing on the request
+//! path; the node retries every second.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use sha2::Digest as _;
+
+use crate::proxy::Gateway;
+use crate::snapshot::Builder;
+
+/// Where the control plane is and who this node is.
+#[derive(Debug, Clone)]
+pub struct ControlSettings {
+    /// Base URL, e.g. `http://127.0.0.1:9400`.
+    pub url: String,
+    /// Bearer token with the `node` role.
+    pub token: String,
+    /// This node's name.
+    pub node_id: String,
+    /// Where the snapshot lives on disk.
+    pub snapshot: PathBuf,
+    /// Where the credential state lives on disk.
+    pub credentials: PathBuf,
+    /// Where filter modules live (`<hex>.wasm`).
+    pub modules: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    Snapshot,
+    Credentials,
+}
+
+impl Lane {
+    fn as_str(self) -> &'static str {
+        match self {
+            Lane::Snapshot => "snapshot",
+            Lane::Credentials => "credentials",
+        }
+    }
+}
+
+type Http = Client<HttpConnector, Full<Bytes>>;
+
+/// Starts both lanes.
+pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings) {
+    let client: Http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build_http();
+    let settings = Arc::new(settings);
+    for lane in [Lane::Snapshot, Lane::Credentials] {
+        let (gw, builder, settings, client) = (gw.clone(), builder.clone(), settings.clone(), client.clone());
+        tokio::spawn(async move { run(lane, gw, builder, settings, client).await });
+    }
+}
+
+/// Fetches the snapshot head once, for a node booting with nothing on disk.
+pub async fn fetch_first(settings: &ControlSettings, wait: Duration) -> anyhow::Result<Vec<u8>> {
+    let client: Http = Client::builder(TokioExecutor::new()).build_http();
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match get(&client, settings, Lane::Snapshot, 0, 0, 5).await {
+            Ok(Some(bytes)) => {
+                fetch_modules(&client, settings, &bytes).await.map_err(|e| anyhow::anyhow!(e))?;
+                return Ok(bytes.to_vec());
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "no snapshot from the control plane yet"),
+        }
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "no snapshot on disk and none from the control plane");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn running(gw: &Gateway, lane: Lane) -> u64 {
+    match lane {
+        Lane::Snapshot => gw.live.load().version,
+        Lane::Credentials => gw.auth.credentials.load().version,
+    }
+}
+
+async fn run(lane: Lane, gw: Arc<Gateway>, builder: Arc<Builder>, settings: Arc<ControlSettings>, client: Http) {
+    // A version refused once is not asked for again; a newer one is.
+    let mut refused = 0u64;
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        let now = running(&gw, lane);
+        match get(&client, &settings, lane, now, now.max(refused), 25).await {
+            Ok(None) => backoff = Duration::from_millis(200),
+            Ok(Some(bytes)) => {
+                backoff = Duration::from_millis(200);
+                let version = envelope_version(&bytes);
+                let outcome = apply(lane, &gw, &builder, &settings, &client, bytes).await;
+                if let Err(why) = &outcome {
+                    tracing::error!(lane = lane.as_str(), version, error = %why, "version refused; keeping the live one");
+                    refused = version;
+                }
+                let ack = serde_json::json!({
+                    "version": version,
+                    "ok": outcome.is_ok(),
+                    "error": outcome.err(),
+                    "running": running(&gw, lane),
+                });
+                if let Err(e) = post_ack(&client, &settings, lane, ack).await {
+                    tracing::warn!(lane = lane.as_str(), error = %e, "cannot ACK");
+                }
+            }
+            Err(e) => {
+                tracing::debug!(lane = lane.as_str(), error = %e, "control plane unreachable; serving the live version");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn envelope_version(bytes: &[u8]) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct V {
+        version: u64,
+    }
+    serde_json::from_slice::<V>(bytes).map_or(0, |v| v.version)
+}
+
+async fn apply(
+    lane: Lane,
+    gw: &Arc<Gateway>,
+    builder: &Arc<Builder>,
+    settings: &ControlSettings,
+    client: &Http,
+    bytes: Bytes,
+) -> Result<(), String> {
+    match lane {
+        Lane::Snapshot => {
+            fetch_modules(client, settings, &bytes).await?;
+            let (gw2, builder2, b2) = (gw.clone(), builder.clone(), bytes.clone());
+            tokio::task::spawn_blocking(move || crate::server::apply_snapshot(&gw2, &builder2, &b2))
+                .await
+                .map_err(|e| e.to_string())??;
+            write_atomic(&settings.snapshot, &bytes)
+        }
+        Lane::Credentials => {
+            let (gw2, b2) = (gw.clone(), bytes.clone());
+            tokio::task::spawn_blocking(move || crate::server::apply_credentials(&gw2, &b2))
+                .await
+                .map_err(|e| e.to_string())??;
+            write_atomic(&settings.credentials, &bytes)
+        }
+    }
+}
+
+/// Writes `bytes` to `path` whole: a temporary file, synced, then renamed.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Write as _;
+    let tmp = path.with_extension("incoming");
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+async fn get(
+    client: &Http,
+    s: &ControlSettings,
+    lane: Lane,
+    running: u64,
+    have: u64,
+    wait: u64,
+) -> Result<Option<Bytes>, String> {
+    let base = s.url.trim_end_matches('/');
+    let url = format!("{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}", s.node_id, lane.as_str());
+    let req = Request::get(&url)
+        .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(wait + 10), client.request(req))
+        .await
+        .map_err(|_| "no answer".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    match status {
+        StatusCode::OK => Ok(Some(body)),
+        StatusCode::NO_CONTENT => Ok(None),
+        s => Err(format!("{url}: {s}: {}", String::from_utf8_lossy(&body))),
+    }
+}
+
+async fn post_ack(client: &Http, s: &ControlSettings, lane: Lane, ack: serde_json::Value) -> Result<(), String> {
+    let url = format!("{}/v1/nodes/{}/{}/ack", s.url.trim_end_matches('/'), s.node_id, lane.as_str());
+    let req = Request::post(&url)
+        .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(ack.to_string())))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
+        .await
+        .map_err(|_| "no answer".to_owned())?
+        .map_err(|e| e.to_string())?;
+    if resp.status().is_success() { Ok(()) } else { Err(format!("{url}: {}", resp.status())) }
+}
+
+/// Fetches every module the snapshot names that is not on disk yet, checking each
+/// against its digest.
+async fn fetch_modules(client: &Http, s: &ControlSettings, snapshot: &[u8]) -> Result<(), String> {
+    let text = std::str::from_utf8(snapshot).map_err(|_| "snapshot is not UTF-8".to_owned())?;
+    for hex in module_digests(text) {
+        let path = s.modules.join(format!("{hex}.wasm"));
+        if path.exists() {
+            continue;
+        }
+        let url = format!("{}/v1/modules/{hex}", s.url.trim_end_matches('/'));
+        let req = Request::get(&url)
+            .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+            .await
+            .map_err(|_| format!("module {hex}: no answer"))?
+            .map_err(|e| format!("module {hex}: {e}"))?;
+        if resp.status() != StatusCode::OK {
+            return Err(format!("module {hex}: {}", resp.status()));
+        }
+        let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        if hex::encode(sha2::Sha256::digest(&body)) != hex {
+            return Err(format!("module {hex}: its content does not match its digest"));
+        }
+        std::fs::create_dir_all(&s.modules).map_err(|e| e.to_string())?;
+        write_atomic(&path, &body)?;
+    }
+    Ok(())
+}
+
+/// Module digests (`"sha256:<64 hex>"` values of `module` fields) in a snapshot's text.
+fn module_digests(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("\"module\":\"sha256:") {
+        rest = &rest[i + "\"module\":\"sha256:".len()..];
+        if let Some(hex) = rest.get(..64)
+            && hex.bytes().all(|b| b.is_ascii_hexdigit())
+            && !out.iter().any(|h| h == hex)
+        {
+            out.push(hex.to_owned());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn module_digests_are_found_once_each() {
+        let a = "a".repeat(64);
+        let b = "b".repeat(64);
+        let text = format!(
+            r#"{{"routes":[{{"filters":[{{"config":{{"module":"sha256:{a}"}}}},{{"config":{{"module":"sha256:{b}"}}}}]}},{{"config":{{"module":"sha256:{a}"}}}}]}}"#
+        );
+        assert_eq!(module_digests(&text), vec![a, b]);
+        assert!(module_digests(r#"{"module":"sha256:xyz"}"#).is_empty());
+    }
+}

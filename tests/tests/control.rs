@@ -1,0 +1,278 @@
+//! The control plane with a fleet: `posternctl serve` and three `postern` nodes on
+//! ephemeral ports. Nodes boot from the control plane, follow every published version,
+//! ACK it (status says who is on what), apply a rollback, get a new API key before the
+//! publish returns, stop honouring a revoked key within a second, keep serving when the
+//! control plane dies, and boot from disk without it. The same store behaviour runs on
+//! PostgreSQL.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use postern_e2e::{Echo, Node, Repo, bin, get, new_key, platform};
+use sha2::Digest as _;
+
+const PLATFORM_TOKEN: &str = "platform-secret-token";
+const NODE_TOKEN: &str = "node-secret-token";
+
+fn routes(tag: &str, extra_route: bool) -> String {
+    let mut s = format!(
+        "routes:\n  - name: r\n    public: true\n    match: {{ path: {{ value: /r }} }}\n    backendRefs: [{{ name: e }}]\n    timeouts: {{ connect: 1s, response: 5s }}\n    responseHeaders:\n      set: [{{ name: x-tag, value: \"{tag}\" }}]\n  - name: keyed\n    match: {{ path: {{ value: /keyed }} }}\n    auth: {{ methods: [apiKey], product: orders }}\n    backendRefs: [{{ name: e }}]\n    timeouts: {{ connect: 1s, response: 5s }}\n"
+    );
+    if extra_route {
+        s.push_str("  - name: extra\n    public: true\n    match: { path: { value: /extra } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n");
+    }
+    s
+}
+
+/// A running `posternctl serve`.
+struct ControlPlane {
+    child: Child,
+    url: String,
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_tokens(dir: &Path) -> std::path::PathBuf {
+    let h = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
+    let path = dir.join("tokens.json");
+    let text = serde_json::json!([
+        {"name": "alice", "role": "platform", "sha256": h(PLATFORM_TOKEN)},
+        {"name": "nodes", "role": "node", "sha256": h(NODE_TOKEN)},
+    ]);
+    std::fs::write(&path, text.to_string()).unwrap();
+    path
+}
+
+fn serve(repo: &Path, store: &str, tokens: &Path) -> ControlPlane {
+    let mut child = Command::new(bin("posternctl"))
+        .arg("serve")
+        .arg(repo)
+        .args(["--store", store, "--listen", "127.0.0.1:0"])
+        .arg("--tokens")
+        .arg(tokens)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("posternctl serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(!line.trim().is_empty(), "serve printed no address");
+    ControlPlane { child, url: format!("http://{}", line.trim()) }
+}
+
+fn ctl(cp: &ControlPlane, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(bin("posternctl"))
+        .args(args)
+        .args(["--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .expect("posternctl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "posternctl {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+    // The JSON answer follows an optional summary line.
+    let json = text.find('{').map(|i| &text[i..]).unwrap_or("null");
+    serde_json::from_str(json).unwrap_or(serde_json::Value::Null)
+}
+
+fn start_node(cp_url: &str, dir: &Path, name: &str) -> Node {
+    std::fs::create_dir_all(dir).unwrap();
+    Node::start(&dir.join("snapshot.json"), &["--control", cp_url, "--control-token", NODE_TOKEN, "--node-id", name])
+}
+
+async fn wait_for(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let end = Instant::now() + deadline;
+    while !check().await {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+struct Setup {
+    _echo: Echo,
+    repo: Repo,
+    work: tempfile::TempDir,
+    tokens: std::path::PathBuf,
+}
+
+/// A repository with one public and one keyed route, and a token list.
+fn setup() -> Setup {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    plans(&repo);
+    repo.write("teams/t/routes.yaml", &routes("one", false));
+    let work = tempfile::tempdir().unwrap();
+    let tokens = write_tokens(work.path());
+    Setup { _echo: echo, repo, work, tokens }
+}
+
+fn plans(repo: &Repo) {
+    repo.write("platform/plans.yaml", "scopes: []\nproducts: [orders]\nplans:\n  gold: { products: [orders] }\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_follows_publishes_rollbacks_and_the_fast_lane_and_outlives_its_control_plane() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let store = work.path().join("store");
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens);
+
+    let v = ctl(&cp, &["publish"]);
+    assert_eq!(v["snapshot"]["version"], 1);
+
+    // Three nodes boot from the control plane (nothing on disk).
+    let mut nodes: Vec<Node> =
+        (0..3).map(|i| start_node(&cp.url, &work.path().join(format!("n{i}")), &format!("node-{i}"))).collect();
+    for n in &nodes {
+        let r = get(&n.url("/r"), &[]).await;
+        assert_eq!(r.header("x-tag"), Some("one"));
+    }
+    wait_for("every node ACKing v1", Duration::from_secs(10), async || ctl(&cp, &["status"])["nodes_on_snapshot"] == 3)
+        .await;
+
+    // A change reaches every node; status says so.
+    repo.write("teams/t/routes.yaml", &routes("two", true));
+    let v = ctl(&cp, &["publish"]);
+    assert_eq!((v["snapshot"]["version"].as_u64(), v["snapshot"]["changed"].as_bool()), (Some(2), Some(true)));
+    for n in &nodes {
+        n.wait_version(2).await;
+        assert_eq!(get(&n.url("/extra"), &[]).await.status, StatusCode::OK);
+    }
+    wait_for("status to show 3 of 3 on v2", Duration::from_secs(10), async || {
+        ctl(&cp, &["status"])["summary"].as_str().is_some_and(|s| s.starts_with("3 of 3 nodes on v2"))
+    })
+    .await;
+    // Publishing the same contents makes no version.
+    assert_eq!(ctl(&cp, &["publish"])["snapshot"]["changed"], false);
+    // A change that fails validation is refused, and v2 stays published.
+    repo.write("teams/t/broken.yaml", "routes:\n  - name: nope\n    match: { path: { value: /nope } }\n");
+    let out = Command::new(bin("posternctl"))
+        .args(["publish", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("teams/t/broken.yaml"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    std::fs::remove_file(repo.path().join("teams/t/broken.yaml")).unwrap();
+
+    // Rollback: v1's contents as v3, on every node at once.
+    let v = ctl(&cp, &["rollback", "--to", "1"]);
+    assert_eq!(v["snapshot"]["version"], 3);
+    for n in &nodes {
+        n.wait_version(3).await;
+        assert_eq!(get(&n.url("/r"), &[]).await.header("x-tag"), Some("one"));
+        assert_eq!(get(&n.url("/extra"), &[]).await.status, StatusCode::NOT_FOUND);
+    }
+
+    // Fast lane: a new key is usable on every node once the publish returns.
+    let key = new_key(repo.path(), "k1", "app", "acme", "gold", &[]);
+    // The repository now holds the v2 routes again; publish them with the key.
+    let v = ctl(&cp, &["publish", "--wait-acks", "5"]);
+    assert_eq!(v["credentials"]["stale"].as_array().map(Vec::len), Some(0), "{v}");
+    assert_eq!(v["credentials"]["acked"].as_array().map(Vec::len), Some(3), "{v}");
+    for n in &nodes {
+        let r = get(&n.url("/keyed"), &[("x-api-key", &key)]).await;
+        assert_eq!(r.status, StatusCode::OK, "first request with the new key");
+    }
+    // Revocation reaches every node within a second of the publish returning.
+    let revoke =
+        Command::new(bin("posternctl")).args(["key", "revoke"]).arg(repo.path()).args(["--id", "k1"]).output().unwrap();
+    assert!(revoke.status.success(), "{}", String::from_utf8_lossy(&revoke.stderr));
+    let t = Instant::now();
+    ctl(&cp, &["publish"]);
+    for n in &nodes {
+        wait_for("the revoked key to be refused", Duration::from_secs(1), async || {
+            get(&n.url("/keyed"), &[("x-api-key", &key)]).await.status == StatusCode::UNAUTHORIZED
+        })
+        .await;
+    }
+    eprintln!("revocation applied on 3 nodes {} ms after publishing began", t.elapsed().as_millis());
+
+    let status = ctl(&cp, &["status"]);
+    assert_eq!(status["live_nodes"], 3);
+    assert_eq!(status["laggards"].as_array().map(Vec::len), Some(0), "{status}");
+
+    // The control plane dies: traffic is unaffected.
+    drop(cp);
+    for n in &nodes {
+        for _ in 0..20 {
+            assert_eq!(get(&n.url("/r"), &[]).await.status, StatusCode::OK);
+        }
+    }
+    // A node restarted without it serves what it last accepted, from disk.
+    let version = nodes[0].version().await;
+    drop(nodes.remove(0));
+    let n = start_node("http://127.0.0.1:9", &work.path().join("n0"), "node-0");
+    assert_eq!(n.version().await, version);
+    assert_eq!(get(&n.url("/extra"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &key)]).await.status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_and_roles_guard_the_api() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens);
+    let url = |p: &str| format!("{}{p}", cp.url);
+    assert_eq!(
+        postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[], "").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let bad = format!("Bearer {}", "wrong");
+    assert_eq!(
+        postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[("authorization", &bad)], "").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let node = format!("Bearer {NODE_TOKEN}");
+    let r = postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[("authorization", &node)], "").await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "a node may not publish");
+    let platform_auth = format!("Bearer {PLATFORM_TOKEN}");
+    let r = postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[("authorization", &platform_auth)], "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let audit = get(&url("/v1/audit"), &[("authorization", &platform_auth)]).await.json();
+    let entries = audit.as_array().unwrap();
+    assert_eq!(entries.len(), 2, "{audit}");
+    assert_eq!(entries[0]["who"], "alice");
+    assert_eq!(entries[0]["action"], "publish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_store_numbers_versions_and_never_reuses_them() {
+    // A database of the test's own on the PostgreSQL at 127.0.0.1:5432.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let db = format!("postern_test_{}_{nanos}", std::process::id());
+    let psql = |sql: &str| {
+        let out =
+            Command::new("psql").args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-c", sql]).output();
+        assert!(out.as_ref().is_ok_and(|o| o.status.success()), "psql {sql}: {out:?}");
+    };
+    psql(&format!("CREATE DATABASE {db}"));
+    let store = format!("postgres://postgres@127.0.0.1:5432/{db}");
+
+    let Setup { _echo, repo, work, tokens } = setup();
+    {
+        let cp = serve(repo.path(), &store, &tokens);
+        assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 1);
+        repo.write("teams/t/routes.yaml", &routes("two", false));
+        assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 2);
+        let n = start_node(&cp.url, &work.path().join("n"), "pg-node");
+        assert_eq!(get(&n.url("/r"), &[]).await.header("x-tag"), Some("two"));
+        assert_eq!(ctl(&cp, &["rollback", "--to", "1"])["snapshot"]["version"], 3);
+        n.wait_version(3).await;
+        assert_eq!(get(&n.url("/r"), &[]).await.header("x-tag"), Some("one"));
+    }
+    // A second instance on the same database continues the numbering.
+    let cp = serve(repo.path(), &store, &tokens);
+    assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 4, "the repository's v2 contents, as v4");
+    drop(cp);
+    psql(&format!("DROP DATABASE {db} WITH (FORCE)"));
+}
