@@ -78,6 +78,7 @@ fn main() {
     }
     let wall = t0.elapsed().as_secs_f64();
     let syncs = (sync.ok.load(Ordering::Relaxed) - ok0).max(1);
+    let attempts = syncs + sync.failed.load(Ordering::Relaxed);
     let bytes = sync.bytes_sent.load(Ordering::Relaxed) - bytes0;
     let cpu = redis_cpu(&mut con) - cpu0;
     let mem1 = redis_info(&mut con, "memory", "used_memory");

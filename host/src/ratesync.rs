@@ -17,8 +17,8 @@
 //! tokens. A key new to a node (or idle on it since) starts with an even share of the
 //! live nodes, which every node registers in a sorted set on each sync.
 //!
-//! Keys are spread over `SHARDS` hash tags (`{prefix}{NNN}:...`), so one script call
-//! touches one Redis Cluster slot and the same code works against one Redis or a cluster
+//! Keys are spread over `SHARDS` hashes, each its own hash tag (`<prefix>{NNN}`), so one
+//! script call touches one Redis Cluster slot and the same code works against one Redis or a cluster
 //! (one pipeline on a single server; one call per shard, pipelined per connection, on a
 //! cluster).
 //!
@@ -47,33 +47,64 @@ const LOST_AFTER: u32 = 4;
 /// A node not seen for this long no longer counts for even shares, in seconds.
 const NODE_TTL_S: u64 = 5;
 
-/// Per key: refill, take what this node admitted, swap its rate into the fleet's, and
-/// answer the bucket's tokens and the fleet's rate (both x1000, as integers).
+/// One shard's keys in one call. The shard is a hash of fields named by the 8-byte key,
+/// each `<ddd>` (tokens, last update, fleet rate); lines come packed (`LINE` bytes
+/// each: key, admitted, rate, old rate, rps, burst) and answers go back packed (`<ff>`:
+/// tokens, fleet rate, per key). Per key: refill, take what this node admitted, swap its
+/// rate into the fleet's. Each call also sweeps a few fields and drops stale ones.
 const KEYS_SCRIPT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local tau, horizon, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local out = {}
-for i = 1, #KEYS do
-  local a = 3 + (i - 1) * 5
-  local used, rnew, old = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local rps, burst = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+local tau, horizon, stale, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local blob = ARGV[5]
+local n = math.floor(#blob / 28)
+local names, lines = {}, {}
+local pos = 1
+for i = 1, n do
+  local name, used, rnew, old, rps, burst
+  name, used, rnew, old, rps, burst, pos = struct.unpack('<c8I4fffI4', blob, pos)
+  names[i] = name
+  lines[i] = {used, rnew, old, rps, burst}
+end
+local cur = redis.call('HMGET', KEYS[1], unpack(names))
+local set, out = {}, {}
+for i = 1, n do
+  local l = lines[i]
+  local used, rnew, old, rps, burst = l[1], l[2], l[3], l[4], l[5]
   local tokens, ts, rate = burst, now, 0
-  local cur = redis.call('GET', KEYS[i])
-  if cur then
-    local x, y, z = string.match(cur, '^(%S+) (%S+) (%S+)$')
-    if z then tokens, ts, rate = tonumber(x), tonumber(y), tonumber(z) end
+  local v = cur[i]
+  if v and #v == 24 then
+    tokens, ts, rate = struct.unpack('<ddd', v)
+    if now - ts > stale then tokens, ts, rate = burst, now, 0 end
   end
   local el = math.max(0, now - ts)
   tokens = math.min(burst + rps * horizon, tokens + el * rps) - used
   if tokens < -burst then tokens = -burst end
   rate = math.max(0, rate * math.exp(-el / tau) - old) + rnew
-  redis.call('SET', KEYS[i], string.format('%.4f %.6f %.4f', tokens, now, rate), 'PX', ttl)
-  out[#out + 1] = math.floor(tokens * 1000)
-  out[#out + 1] = math.floor(rate * 1000)
+  set[2 * i - 1] = names[i]
+  set[2 * i] = struct.pack('<ddd', tokens, now, rate)
+  out[i] = struct.pack('<ff', tokens, rate)
 end
-return out
+redis.call('HSET', KEYS[1], unpack(set))
+redis.call('PEXPIRE', KEYS[1], ttl)
+local cursor = redis.call('HGET', KEYS[1], '~') or '0'
+local scan = redis.call('HSCAN', KEYS[1], cursor, 'COUNT', 16)
+local fields = scan[2]
+for j = 1, #fields, 2 do
+  local f, v = fields[j], fields[j + 1]
+  if #f == 8 and #v == 24 then
+    local _, ts = struct.unpack('<dd', v)
+    if now - ts > stale then redis.call('HDEL', KEYS[1], f) end
+  end
+end
+redis.call('HSET', KEYS[1], '~', scan[1])
+return table.concat(out)
 ";
+
+/// Bytes of one packed line.
+const LINE: usize = 28;
+/// Most keys in one script call (Lua's `unpack` has a stack limit).
+const MAX_PER_CALL: usize = 2000;
 
 /// Registers this node and answers how many nodes synced lately.
 const NODES_SCRIPT: &str = r"
@@ -330,11 +361,22 @@ fn report(
     lines
 }
 
-fn push_key(out: &mut Vec<u8>, prefix: &str, key: u64) {
-    out.clear();
-    let mut s = String::with_capacity(prefix.len() + 24);
-    let _ = write!(s, "{prefix}{{{:03x}}}:{key:016x}", key % SHARDS);
-    out.extend_from_slice(s.as_bytes());
+/// The shard's hash: `<prefix>{NNN}`, one Redis Cluster slot per hash tag.
+fn shard_name(prefix: &str, shard: u64) -> String {
+    let mut s = String::with_capacity(prefix.len() + 8);
+    let _ = write!(s, "{prefix}{{{shard:03x}}}");
+    s
+}
+
+/// Appends one key's packed line.
+fn pack_line(out: &mut Vec<u8>, l: &Line, a: &Active) {
+    let rps = 1e9 / a.interval_ns.max(1) as f64;
+    out.extend_from_slice(&l.key.to_le_bytes());
+    out.extend_from_slice(&u32::try_from(l.admitted).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(&(l.rate as f32).to_le_bytes());
+    out.extend_from_slice(&(l.old as f32).to_le_bytes());
+    out.extend_from_slice(&(rps as f32).to_le_bytes());
+    out.extend_from_slice(&u32::try_from(a.burst).unwrap_or(u32::MAX).to_le_bytes());
 }
 
 /// Builds the script calls, one per shard, and runs them; returns each line's answer
@@ -355,26 +397,25 @@ async fn sync(
     }
     let horizon = settings.interval.as_secs_f64();
     let mut calls: Vec<(Cmd, Vec<usize>)> = Vec::with_capacity(by_shard.len());
-    let mut name = Vec::new();
-    for (_, idx) in by_shard {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(keys_script.get_hash()).arg(idx.len());
-        let mut ttl_ms = 30_000u64;
-        for &i in &idx {
-            push_key(&mut name, &settings.prefix, lines[i].key);
-            cmd.arg(&name[..]);
-            if let Some(a) = active.get(&lines[i].key) {
-                // Keep a key's state at least as long as its bucket takes to fill.
-                ttl_ms = ttl_ms.max(a.burst.saturating_mul(a.interval_ns) / 1_000_000 * 2);
+    for (shard, idx) in by_shard {
+        for chunk in idx.chunks(MAX_PER_CALL) {
+            let mut blob = Vec::with_capacity(chunk.len() * LINE);
+            // Keep a key's state at least as long as its bucket takes to fill.
+            let mut ttl_ms = 30_000u64;
+            for &i in chunk {
+                if let Some(a) = active.get(&lines[i].key) {
+                    pack_line(&mut blob, &lines[i], a);
+                    ttl_ms = ttl_ms.max(a.burst.saturating_mul(a.interval_ns) / 1_000_000 * 2);
+                }
             }
+            if blob.len() != chunk.len() * LINE {
+                return Err("a reported key left the active set".to_owned());
+            }
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(keys_script.get_hash()).arg(1).arg(shard_name(&settings.prefix, shard));
+            cmd.arg(TAU_S).arg(horizon).arg(ttl_ms as f64 / 1000.0).arg(ttl_ms).arg(blob);
+            calls.push((cmd, chunk.to_vec()));
         }
-        cmd.arg(TAU_S).arg(horizon).arg(ttl_ms);
-        for &i in &idx {
-            let l = &lines[i];
-            let (rps, burst) = active.get(&l.key).map_or((1.0, 1), |a| (1e9 / a.interval_ns.max(1) as f64, a.burst));
-            cmd.arg(l.admitted).arg(round3(l.rate)).arg(round3(l.old)).arg(round3(rps)).arg(burst);
-        }
-        calls.push((cmd, idx));
     }
     let mut nodes_cmd = redis::cmd("EVALSHA");
     nodes_cmd.arg(nodes_script.get_hash()).arg(1).arg(format!("{}nodes", settings.prefix));
@@ -426,23 +467,24 @@ async fn sync(
     };
     let mut answers = vec![(0.0, 0.0); lines.len()];
     for ((_, idx), reply) in calls.iter().zip(it) {
-        let Value::Array(values) = reply else { return Err(format!("unexpected reply {reply:?}")) };
-        if values.len() != idx.len() * 2 {
+        let packed = match reply {
+            Value::BulkString(b) => b,
+            Value::SimpleString(s) => s.into_bytes(),
+            other => return Err(format!("unexpected reply {other:?}")),
+        };
+        if packed.len() != idx.len() * 8 {
             return Err("short reply".to_owned());
         }
         for (k, &i) in idx.iter().enumerate() {
-            let num = |v: &Value| match v {
-                Value::Int(n) => Ok(*n as f64 / 1000.0),
-                other => Err(format!("unexpected value {other:?}")),
+            let f = |at: usize| {
+                let mut b = [0u8; 4];
+                b.copy_from_slice(&packed[at..at + 4]);
+                f64::from(f32::from_le_bytes(b))
             };
-            answers[i] = (num(&values[2 * k])?, num(&values[2 * k + 1])?);
+            answers[i] = (f(8 * k), f(8 * k + 4));
         }
     }
     Ok((answers, nodes))
-}
-
-fn round3(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
 }
 
 fn is_noscript(e: &redis::RedisError) -> bool {
@@ -547,9 +589,16 @@ mod tests {
     }
 
     #[test]
-    fn key_names_keep_a_key_in_its_shard_slot() {
-        let mut out = Vec::new();
-        push_key(&mut out, "p:", 0x1234_5678_9abc_def0);
-        assert_eq!(std::str::from_utf8(&out).unwrap_or_default(), "p:{2f0}:123456789abcdef0");
+    fn a_shard_is_one_hash_tag_and_lines_pack_to_their_size() {
+        assert_eq!(shard_name("p:", 0x2f0), "p:{2f0}");
+        let (limiter, limit, mut active) = setup();
+        let _ = limiter.take(9, &limit, 1, limiter.now());
+        drain(&limiter, &mut active);
+        let lines = report(&mut active, limiter.now(), Duration::from_millis(500), SHARE_ONE);
+        let mut blob = Vec::new();
+        pack_line(&mut blob, &lines[0], &active[&9]);
+        assert_eq!(blob.len(), LINE);
+        assert_eq!(&blob[..8], &9u64.to_le_bytes());
+        assert_eq!(&blob[24..], &10u32.to_le_bytes(), "the burst");
     }
 }
