@@ -89,8 +89,8 @@ fn main() {
     println!("keys in last sync       {}", sync.keys.load(Ordering::Relaxed));
     println!(
         "sent per sync           {:.2} MB ({:.0} B per key)",
-        bytes as f64 / syncs as f64 / 1e6,
-        bytes as f64 / syncs as f64 / KEYS as f64
+        bytes as f64 / attempts as f64 / 1e6,
+        bytes as f64 / attempts as f64 / KEYS as f64
     );
     println!(
         "sync duration p50/max   {:.1} / {:.1} ms",
