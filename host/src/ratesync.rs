@@ -42,6 +42,10 @@ const SHARDS: u64 = 1024;
 /// How fast a node's reported rate fades out of a key's fleet rate when it stops
 /// reporting, in seconds.
 const TAU_S: f64 = 10.0;
+/// How often a key far below its limit is reported.
+const QUIET_REFRESH: Duration = Duration::from_secs(5);
+/// Reports a key needs before it may go quiet.
+const QUIET_AFTER: u32 = 4;
 /// Missed intervals after which the sync counts as lost.
 const LOST_AFTER: u32 = 4;
 /// A node not seen for this long no longer counts for even shares, in seconds.
@@ -49,7 +53,7 @@ const NODE_TTL_S: u64 = 5;
 
 /// One shard's keys in one call. The shard is a hash of fields named by the 8-byte key,
 /// each `<ddd>` (tokens, last update, fleet rate); lines come packed (`LINE` bytes
-/// each: key, admitted, rate, old rate, rps, burst) and answers go back packed (`<ff>`:
+/// each: key, admitted, rate, old rate, rps, window, burst) and answers go back packed (`<ff>`:
 /// tokens, fleet rate, per key). Per key: refill, take what this node admitted, swap its
 /// rate into the fleet's. Each call also sweeps a few fields and drops stale ones.
 const KEYS_SCRIPT: &str = r"
@@ -57,20 +61,16 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local tau, horizon, stale, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local blob = ARGV[5]
-local n = math.floor(#blob / 28)
-local names, lines = {}, {}
-local pos = 1
+local n = math.floor(#blob / 32)
+local names = {}
 for i = 1, n do
-  local name, used, rnew, old, rps, burst
-  name, used, rnew, old, rps, burst, pos = struct.unpack('<c8I4fffI4', blob, pos)
-  names[i] = name
-  lines[i] = {used, rnew, old, rps, burst}
+  local at = (i - 1) * 32 + 1
+  names[i] = string.sub(blob, at, at + 7)
 end
 local cur = redis.call('HMGET', KEYS[1], unpack(names))
 local set, out = {}, {}
 for i = 1, n do
-  local l = lines[i]
-  local used, rnew, old, rps, burst = l[1], l[2], l[3], l[4], l[5]
+  local used, rnew, old, rps, win, burst = struct.unpack('<I4ffffI4', blob, (i - 1) * 32 + 9)
   local tokens, ts, rate = burst, now, 0
   local v = cur[i]
   if v and #v == 24 then
@@ -78,7 +78,7 @@ for i = 1, n do
     if now - ts > stale then tokens, ts, rate = burst, now, 0 end
   end
   local el = math.max(0, now - ts)
-  tokens = math.min(burst + rps * horizon, tokens + el * rps) - used
+  tokens = math.min(burst + rps * math.max(horizon, win), tokens + el * rps) - used
   if tokens < -burst then tokens = -burst end
   rate = math.max(0, rate * math.exp(-el / tau) - old) + rnew
   set[2 * i - 1] = names[i]
@@ -102,7 +102,7 @@ return table.concat(out)
 ";
 
 /// Bytes of one packed line.
-const LINE: usize = 28;
+const LINE: usize = 32;
 /// Most keys in one script call (Lua's `unpack` has a stack limit).
 const MAX_PER_CALL: usize = 2000;
 
@@ -186,6 +186,10 @@ struct Active {
     /// Counts not yet reported.
     asked: u64,
     admitted: u64,
+    /// The key's fleet-wide rate at the last report.
+    fleet_rate: f64,
+    /// Reports answered since the key became active here.
+    reports: u32,
 }
 
 /// One key's line in a report.
@@ -195,6 +199,8 @@ struct Line {
     rate: f64,
     /// This node's previous rate as the fleet's sum holds it now (faded since).
     old: f64,
+    /// Seconds the counts cover.
+    window: f64,
 }
 
 enum Conn {
@@ -322,6 +328,8 @@ fn collect(active: &mut HashMap<u64, Active, foldhash::fast::RandomState>, touch
             reported_at: 0,
             asked: 0,
             admitted: 0,
+            fleet_rate: 0.0,
+            reports: 0,
         });
         if !Arc::ptr_eq(&a.bucket, &t.bucket) {
             // The bucket was evicted and made again: report for the live one.
@@ -354,8 +362,24 @@ fn report(
         } else {
             (now.saturating_sub(a.reported_at) as f64 / 1e9).max(0.001)
         };
-        let old = a.rate * (-window / TAU_S).exp();
-        lines.push(Line { key, admitted: a.admitted, rate: a.asked as f64 / window, old });
+        let rate = a.asked as f64 / window;
+        // A key far below its limit everywhere (the fleet's rate and this node's both
+        // under half of what they may use) needs no coordination every interval: it is
+        // reported every `QUIET_REFRESH` instead, its counts kept until then.
+        let limit = 1e9 / a.interval_ns.max(1) as f64;
+        let own_limit = limit * f64::from(a.bucket.share()) / f64::from(SHARE_ONE);
+        // Only once the fleet's rate is known: a first answer may hold this node's
+        // rate alone.
+        let quiet = a.reports >= QUIET_AFTER
+            && a.asked == a.admitted
+            && a.asked > 0
+            && a.fleet_rate * 2.0 < limit
+            && rate * 2.0 < own_limit
+            && window < QUIET_REFRESH.as_secs_f64();
+        if !quiet {
+            let old = a.rate * (-window / TAU_S).exp();
+            lines.push(Line { key, admitted: a.admitted, rate, old, window });
+        }
         true
     });
     lines
@@ -376,6 +400,7 @@ fn pack_line(out: &mut Vec<u8>, l: &Line, a: &Active) {
     out.extend_from_slice(&(l.rate as f32).to_le_bytes());
     out.extend_from_slice(&(l.old as f32).to_le_bytes());
     out.extend_from_slice(&(rps as f32).to_le_bytes());
+    out.extend_from_slice(&(l.window as f32).to_le_bytes());
     out.extend_from_slice(&u32::try_from(a.burst).unwrap_or(u32::MAX).to_le_bytes());
 }
 
@@ -515,6 +540,8 @@ fn apply(
             even
         };
         a.bucket.apply(now, share, tokens, a.interval_ns, a.burst);
+        a.fleet_rate = fleet_rate;
+        a.reports = a.reports.saturating_add(1);
         a.rate = l.rate;
         a.reported_at = now;
         a.asked = 0;
@@ -599,6 +626,6 @@ mod tests {
         pack_line(&mut blob, &lines[0], &active[&9]);
         assert_eq!(blob.len(), LINE);
         assert_eq!(&blob[..8], &9u64.to_le_bytes());
-        assert_eq!(&blob[24..], &10u32.to_le_bytes(), "the burst");
+        assert_eq!(&blob[28..], &10u32.to_le_bytes(), "the burst");
     }
 }
