@@ -241,7 +241,7 @@ pub fn render_auth(out: &mut String, stats: &postern_builtin_filters::auth::Auth
 /// Appends the fleet-wide rate sync's metrics.
 pub fn render_ratesync(out: &mut String, s: &crate::ratesync::RateSync) {
     let synced = u64::from(s.state() == "synced");
-    let rows: [(&str, &str, &str, u64); 8] = [
+    let rows: [(&str, &str, &str, u64); 9] = [
         (
             "postern_ratelimit_sync_total{outcome=\"ok\"}",
             "counter",
@@ -280,6 +280,12 @@ pub fn render_ratesync(out: &mut String, s: &crate::ratesync::RateSync) {
             s.nodes.load(Ordering::Relaxed),
         ),
         ("postern_ratelimit_buckets", "gauge", "Rate-limit buckets held by this node.", s.limiter.len() as u64),
+        (
+            "postern_ratelimit_sync_deferred_total",
+            "counter",
+            "Syncs that left keys for the next one (more than one sync takes).",
+            s.deferred.load(Ordering::Relaxed),
+        ),
     ];
     for (name, kind, help, v) in rows {
         if !kind.is_empty() {

@@ -44,6 +44,8 @@ const SHARDS: u64 = 1024;
 const TAU_S: f64 = 10.0;
 /// How often a key far below its limit is reported.
 const QUIET_REFRESH: Duration = Duration::from_secs(5);
+/// Most keys reported in one sync (about 100 ms of Redis CPU).
+const MAX_KEYS_PER_SYNC: usize = 25_000;
 /// Reports a key needs before it may go quiet.
 const QUIET_AFTER: u32 = 4;
 /// Missed intervals after which the sync counts as lost.
@@ -152,6 +154,8 @@ pub struct RateSync {
     pub last_ok_ms: AtomicU64,
     /// How long the last successful sync took, in µs.
     pub last_us: AtomicU64,
+    /// Syncs that had more keys to report than one sync takes.
+    pub deferred: AtomicU64,
 }
 
 impl RateSync {
@@ -201,6 +205,8 @@ struct Line {
     old: f64,
     /// Seconds the counts cover.
     window: f64,
+    /// How much the report matters: refusals first, then use of its share.
+    urgency: f64,
 }
 
 enum Conn {
@@ -223,6 +229,7 @@ pub fn start(limiter: Arc<Limiter>, settings: SyncSettings) -> anyhow::Result<Ar
         nodes: AtomicU64::new(0),
         last_ok_ms: AtomicU64::new(0),
         last_us: AtomicU64::new(0),
+        deferred: AtomicU64::new(0),
     });
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let s = state.clone();
@@ -267,7 +274,14 @@ async fn run(state: Arc<RateSync>, settings: SyncSettings) {
         fleet.drain(&mut touched);
         collect(&mut active, &touched);
         let now = state.limiter.now();
-        let lines = report(&mut active, now, settings.interval, fleet.even_share());
+        let mut lines = report(&mut active, now, settings.interval, fleet.even_share());
+        if lines.len() > MAX_KEYS_PER_SYNC {
+            // More than Redis should take in one interval: the most urgent now, the rest
+            // keep their counts for the next sync.
+            lines.select_nth_unstable_by(MAX_KEYS_PER_SYNC, |a, b| b.urgency.total_cmp(&a.urgency));
+            lines.truncate(MAX_KEYS_PER_SYNC);
+            state.deferred.fetch_add(1, Ordering::Relaxed);
+        }
 
         let t0 = Instant::now();
         if conn.is_none() {
@@ -378,7 +392,9 @@ fn report(
             && window < QUIET_REFRESH.as_secs_f64();
         if !quiet {
             let old = a.rate * (-window / TAU_S).exp();
-            lines.push(Line { key, admitted: a.admitted, rate, old, window });
+            let refused = if a.asked > a.admitted { 1e9 } else { 0.0 };
+            let urgency = refused + rate / own_limit.max(1e-9) + a.fleet_rate / limit.max(1e-9);
+            lines.push(Line { key, admitted: a.admitted, rate, old, window, urgency });
         }
         true
     });
