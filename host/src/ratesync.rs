@@ -38,14 +38,12 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, Value};
 
 /// Shards of the key space; one script call per shard with traffic.
-const SHARDS: u64 = 256;
+const SHARDS: u64 = 1024;
 /// How fast a node's reported rate fades out of a key's fleet rate when it stops
 /// reporting, in seconds.
 const TAU_S: f64 = 10.0;
 /// How often a key far below its limit is reported.
 const QUIET_REFRESH: Duration = Duration::from_secs(5);
-/// A shard is swept for stale keys once in this many syncs.
-const SWEEP_EVERY: u64 = 20;
 /// Most keys reported in one sync (about 100 ms of Redis CPU).
 const MAX_KEYS_PER_SYNC: usize = 25_000;
 /// Reports a key needs before it may go quiet.
@@ -59,7 +57,7 @@ const NODE_TTL_S: u64 = 5;
 /// each `<ddd>` (tokens, last update, fleet rate); lines come packed (`LINE` bytes
 /// each: key, admitted, rate, old rate, rps, window, burst) and answers go back packed (`<ff>`:
 /// tokens, fleet rate, per key). Per key: refill, take what this node admitted, swap its
-/// rate into the fleet's. A call may also sweep a few fields and drop stale ones.
+/// rate into the fleet's. Each call also sweeps a few fields and drops stale ones.
 const KEYS_SCRIPT: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -91,19 +89,17 @@ for i = 1, n do
 end
 redis.call('HSET', KEYS[1], unpack(set))
 redis.call('PEXPIRE', KEYS[1], ttl)
-if ARGV[6] == '1' then
-  local cursor = redis.call('HGET', KEYS[1], '~') or '0'
-  local scan = redis.call('HSCAN', KEYS[1], cursor, 'COUNT', 64)
-  local fields = scan[2]
-  for j = 1, #fields, 2 do
-    local f, v = fields[j], fields[j + 1]
-    if #f == 8 and #v == 24 then
-      local _, ts = struct.unpack('<dd', v)
-      if now - ts > stale then redis.call('HDEL', KEYS[1], f) end
-    end
+local cursor = redis.call('HGET', KEYS[1], '~') or '0'
+local scan = redis.call('HSCAN', KEYS[1], cursor, 'COUNT', 16)
+local fields = scan[2]
+for j = 1, #fields, 2 do
+  local f, v = fields[j], fields[j + 1]
+  if #f == 8 and #v == 24 then
+    local _, ts = struct.unpack('<dd', v)
+    if now - ts > stale then redis.call('HDEL', KEYS[1], f) end
   end
-  redis.call('HSET', KEYS[1], '~', scan[1])
 end
+redis.call('HSET', KEYS[1], '~', scan[1])
 return table.concat(out)
 ";
 
@@ -435,7 +431,6 @@ async fn sync(
     lines: &[Line],
     state: &RateSync,
 ) -> Result<(Vec<(f64, f64)>, u64), String> {
-    let round = state.ok.load(Ordering::Relaxed) + state.failed.load(Ordering::Relaxed);
     // Lines grouped by shard, keeping each line's index.
     let mut by_shard: HashMap<u64, Vec<usize>, foldhash::fast::RandomState> = HashMap::default();
     for (i, l) in lines.iter().enumerate() {
@@ -459,9 +454,7 @@ async fn sync(
             }
             let mut cmd = redis::cmd("EVALSHA");
             cmd.arg(keys_script.get_hash()).arg(1).arg(shard_name(&settings.prefix, shard));
-            // Each shard is swept for stale keys about every `SWEEP_EVERY` syncs.
-            let sweep = (round + shard).is_multiple_of(SWEEP_EVERY);
-            cmd.arg(TAU_S).arg(horizon).arg(ttl_ms as f64 / 1000.0).arg(ttl_ms).arg(blob).arg(u8::from(sweep));
+            cmd.arg(TAU_S).arg(horizon).arg(ttl_ms as f64 / 1000.0).arg(ttl_ms).arg(blob);
             calls.push((cmd, chunk.to_vec()));
         }
     }
