@@ -9,6 +9,7 @@ pub mod config;
 pub mod credentials;
 pub mod filter_run;
 pub mod keys;
+pub mod plan;
 pub mod serve;
 pub mod store;
 

@@ -37,6 +37,15 @@ enum Command {
         /// The config repository.
         repo: PathBuf,
     },
+    /// Show what publishing the repository would change against a snapshot (routes
+    /// added, changed and removed per team; clusters and plans), without writing anything.
+    Plan {
+        /// The config repository.
+        repo: PathBuf,
+        /// The snapshot running now (e.g. a node's snapshot.json).
+        #[arg(long)]
+        against: PathBuf,
+    },
     /// Work with Wasm filters.
     Filter {
         #[command(subcommand)]
@@ -466,6 +475,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Validate { repo } => validate(&repo),
+        Command::Plan { repo, against } => plan(&repo, &against),
         Command::Key { command } => report(key(command)),
         Command::Token { command } => report(token(command)),
         Command::Serve { repo, store, tokens, listen } => report(serve(repo, &store, tokens, listen)),
@@ -474,6 +484,29 @@ fn main() -> ExitCode {
         }
         Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
         Command::Status { control } => report(call(&control, "GET", "/v1/status")),
+    }
+}
+
+fn plan(repo: &Path, against: &Path) -> ExitCode {
+    let old = match std::fs::read(against)
+        .map_err(|e| e.to_string())
+        .and_then(|b| postern_model::SnapshotFile::open(&b).map(|(_, s)| s).map_err(|e| e.to_string()))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {}: {e}", against.display());
+            return ExitCode::from(2);
+        }
+    };
+    match posternctl::compile::compile(repo) {
+        Ok(new) => {
+            print!("{}", posternctl::plan::render(&posternctl::plan::plan(&old, &new.snapshot)));
+            ExitCode::SUCCESS
+        }
+        Err(rejected) => {
+            eprint!("{rejected}");
+            ExitCode::from(1)
+        }
     }
 }
 
