@@ -85,14 +85,9 @@ impl Bucket {
     /// Takes `cost` tokens at `now` (ns) from a bucket refilling one token every
     /// `interval` ns up to `burst` tokens, of which this node holds its share.
     pub fn take(&self, now: u64, cost: u64, interval: u64, burst: u64) -> Verdict {
-        let share = u64::from(self.share.load(Ordering::Relaxed).max(SHARE_MIN));
         // The burst lasts as long whatever the share; a token takes longer to come back.
         let capacity = burst.saturating_mul(interval);
-        let per_token = if share >= u64::from(SHARE_ONE) {
-            interval
-        } else {
-            interval.saturating_mul(u64::from(SHARE_ONE)) / share
-        };
+        let per_token = self.per_token(interval);
         let increment = cost.saturating_mul(per_token);
         let mut tat = self.tat.load(Ordering::Relaxed);
         loop {
@@ -119,13 +114,23 @@ impl Bucket {
 
     /// Gives back `cost` tokens taken by a request another bucket then refused.
     pub fn refund(&self, cost: u64, interval: u64) {
-        let share = u64::from(self.share.load(Ordering::Relaxed).max(SHARE_MIN));
-        let increment = cost.saturating_mul(interval.saturating_mul(u64::from(SHARE_ONE)) / share);
+        let increment = cost.saturating_mul(self.per_token(interval));
         let _ = self.tat.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some(t.saturating_sub(increment)));
         let _ = self.counts.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
             let admitted = (c & 0xffff_ffff).saturating_sub(cost);
             Some((c & !0xffff_ffff) | admitted)
         });
+    }
+
+    /// Nanoseconds one token takes to come back to this node's share of the bucket
+    /// (shares are stored clamped to at least `SHARE_MIN`).
+    fn per_token(&self, interval: u64) -> u64 {
+        let share = self.share.load(Ordering::Relaxed);
+        if share >= SHARE_ONE {
+            interval
+        } else {
+            interval.saturating_mul(u64::from(SHARE_ONE)) / u64::from(share.max(1))
+        }
     }
 
     /// This node's share of the limit, in millionths.
