@@ -10,6 +10,7 @@ pub mod credentials;
 pub mod filter_run;
 pub mod keys;
 pub mod plan;
+pub mod rollout;
 pub mod serve;
 pub mod store;
 

@@ -75,6 +75,19 @@ enum Command {
         /// Listen address.
         #[arg(long, default_value = "127.0.0.1:9400")]
         listen: std::net::SocketAddr,
+        /// Time at each rollout stage (canary, 10 %, all) once its nodes run the new
+        /// snapshot; 0s delivers every snapshot to every node at once.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        dwell: std::time::Duration,
+        /// Canary nodes, when no node declares itself one (`postern --control-canary`).
+        #[arg(long, default_value_t = 1)]
+        canary_nodes: usize,
+        /// Responses a changed route needs on a side before it is compared.
+        #[arg(long, default_value_t = 50)]
+        rollout_min_requests: u64,
+        /// Largest rise of a changed route's 5xx rate on the new version (0.02 = 2 points).
+        #[arg(long, default_value_t = 0.02)]
+        rollout_max_5xx_increase: f64,
     },
     /// Compile the repository on the control plane and publish what changed.
     Publish {
@@ -478,7 +491,25 @@ fn main() -> ExitCode {
         Command::Plan { repo, against } => plan(&repo, &against),
         Command::Key { command } => report(key(command)),
         Command::Token { command } => report(token(command)),
-        Command::Serve { repo, store, tokens, listen } => report(serve(repo, &store, tokens, listen)),
+        Command::Serve {
+            repo,
+            store,
+            tokens,
+            listen,
+            dwell,
+            canary_nodes,
+            rollout_min_requests,
+            rollout_max_5xx_increase,
+        } => {
+            let rollout = posternctl::rollout::RolloutSettings {
+                dwell,
+                canary_nodes,
+                min_requests: rollout_min_requests,
+                max_5xx_increase: rollout_max_5xx_increase,
+                ..Default::default()
+            };
+            report(serve(posternctl::serve::ServeSettings { repo, listen, tokens, rollout }, &store))
+        }
         Command::Publish { control, wait_acks } => {
             report(call(&control, "POST", &format!("/v1/publish?wait_acks={wait_acks}")))
         }
@@ -514,10 +545,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
-fn serve(repo: PathBuf, store: &str, tokens: PathBuf, listen: std::net::SocketAddr) -> anyhow::Result<()> {
+fn serve(settings: posternctl::serve::ServeSettings, store: &str) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let store = posternctl::store::Store::open(store).await?;
-        posternctl::serve::serve(posternctl::serve::ServeSettings { repo, listen, tokens }, store).await
+        posternctl::serve::serve(settings, store).await
     })
 }
 

@@ -72,6 +72,24 @@ pub fn plan(old: &Snapshot, new: &Snapshot) -> Plan {
     out
 }
 
+/// The routes a staged rollout compares: routes added or changed, and routes of the new
+/// snapshot sending to a cluster that changed. Empty when only plans changed, which
+/// means every route.
+pub fn changed_routes(old: &Snapshot, new: &Snapshot) -> Vec<String> {
+    let old_routes = routes(old);
+    let changed_cluster = |c: &str| old.clusters.get(c) != new.clusters.get(c);
+    let mut out: Vec<String> = new
+        .routes
+        .iter()
+        .filter(|r| {
+            old_routes.get(&r.id).is_none_or(|o| **o != **r) || r.backends.iter().any(|b| changed_cluster(&b.cluster))
+        })
+        .map(|r| r.id.clone())
+        .collect();
+    out.sort();
+    out
+}
+
 /// The plan as text: one block per owner, one line per change.
 pub fn render(plan: &Plan) -> String {
     if plan.is_empty() {
@@ -150,6 +168,18 @@ mod tests {
             text,
             "orders:\n  + orders/new\n  ~ orders/get\n  - orders/old\nplatform:\n  + cluster b\n2 added, 1 changed, 1 removed\n",
             "{text}"
+        );
+        assert_eq!(changed_routes(&before, &after), vec!["orders/get".to_owned(), "orders/new".to_owned()]);
+        // A cluster's endpoints changing puts every route sending to it under watch.
+        write(
+            root,
+            "platform/clusters.yaml",
+            "clusters:\n  a:\n    endpoints: [\"127.0.0.1:11\"]\n  b:\n    endpoints: [\"127.0.0.1:10\"]\n",
+        );
+        let moved = compiled(root);
+        assert_eq!(
+            changed_routes(&after, &moved),
+            vec!["orders/get".to_owned(), "orders/new".to_owned(), "search/q".to_owned()]
         );
     }
 }

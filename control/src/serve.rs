@@ -10,6 +10,12 @@
 //! `POST /v1/rollback?to=N` publishes version N's contents as a new version. The fast
 //! lane (credentials) can wait for every live node's ACK before answering (`?wait_acks=S`).
 //!
+//! A changed snapshot is rolled out in stages (see [`crate::rollout`]): the long poll
+//! gives each node the version its stage says, nodes report the compared routes' counts
+//! (`POST /v1/nodes/<node>/report`), and a regression re-publishes the old contents as a
+//! new version (`auto-revert` in the audit trail). A rollback reaches every node at once
+//! and ends any rollout.
+//!
 //! Every request carries a bearer token; tokens are listed by SHA-256 with a role:
 //! `platform` (publish, rollback), `node` (receive, ACK), or `team:<name>` (read status
 //! and audit). Every change is audited (who, what, when, version).
@@ -28,6 +34,9 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tokio::sync::watch;
 
+use postern_model::report::{Report, RouteCounts, Watch};
+
+use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
 use crate::store::{Change, Kind, Store, Version};
 
 /// A node counts as live while it polled within this long.
@@ -46,6 +55,8 @@ pub struct ServeSettings {
     pub listen: SocketAddr,
     /// Token list (JSON: `[{"name", "role", "sha256"}]`).
     pub tokens: PathBuf,
+    /// How snapshots are rolled out.
+    pub rollout: RolloutSettings,
 }
 
 /// One admin token.
@@ -75,20 +86,31 @@ struct NodeState {
     snapshot: LaneState,
     credentials: LaneState,
     seen: Instant,
+    canary: bool,
 }
 
 struct Server {
     store: Store,
     repo: PathBuf,
     tokens: Vec<TokenEntry>,
-    /// Heads by lane, as last seen; waiters watch them.
-    heads: watch::Sender<(u64, u64)>,
+    /// Heads by lane as last seen, and a count of rollout stage changes; waiters watch them.
+    heads: watch::Sender<(u64, u64, u64)>,
     nodes: Mutex<BTreeMap<String, NodeState>>,
     /// One publish at a time from this instance (the store orders instances).
     publishing: tokio::sync::Mutex<()>,
+    rollout_settings: RolloutSettings,
+    /// The rollout in progress.
+    rollout: Mutex<Option<Rollout>>,
+    /// How the last rollout ended.
+    last_rollout: Mutex<Option<serde_json::Value>>,
+    /// Each node's last report: the version it ran and its route totals.
+    reports: Mutex<BTreeMap<String, LastReport>>,
 }
 
 type Body = Full<Bytes>;
+
+/// A node's last report: the snapshot version it ran and its route totals.
+type LastReport = (u64, BTreeMap<String, RouteCounts>);
 
 fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
@@ -120,6 +142,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     let heads = (
         store.head(Kind::Snapshot).await?.map_or(0, |v| v.number),
         store.head(Kind::Credentials).await?.map_or(0, |v| v.number),
+        0,
     );
     let server = Arc::new(Server {
         store,
@@ -128,6 +151,10 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         heads: watch::Sender::new(heads),
         nodes: Mutex::new(BTreeMap::new()),
         publishing: tokio::sync::Mutex::new(()),
+        rollout_settings: settings.rollout,
+        rollout: Mutex::new(None),
+        last_rollout: Mutex::new(None),
+        reports: Mutex::new(BTreeMap::new()),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen).await?;
     let addr = listener.local_addr()?;
@@ -136,6 +163,10 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     {
         let server = server.clone();
         tokio::spawn(async move { server.watch_store().await });
+    }
+    {
+        let server = server.clone();
+        tokio::spawn(async move { server.drive_rollouts().await });
     }
     loop {
         let (stream, _) = match listener.accept().await {
@@ -163,10 +194,12 @@ impl Server {
     async fn watch_store(&self) {
         loop {
             tokio::time::sleep(STORE_POLL).await;
+            // A publish here in progress sets its rollout up before nodes see its head.
+            let Ok(_quiet) = self.publishing.try_lock() else { continue };
             let s = self.store.head(Kind::Snapshot).await.ok().flatten().map(|v| v.number);
             let c = self.store.head(Kind::Credentials).await.ok().flatten().map(|v| v.number);
             self.heads.send_if_modified(|h| {
-                let next = (s.unwrap_or(h.0).max(h.0), c.unwrap_or(h.1).max(h.1));
+                let next = (s.unwrap_or(h.0).max(h.0), c.unwrap_or(h.1).max(h.1), h.2);
                 let changed = next != *h;
                 *h = next;
                 changed
@@ -201,6 +234,9 @@ impl Server {
                 if let Some(running) = param("running").and_then(|v| v.parse::<u64>().ok()) {
                     self.record(node, kind, |lane| lane.version = running);
                 }
+                if param("canary").as_deref() == Some("1") {
+                    self.set_canary(node);
+                }
                 self.poll(node, kind, have, Duration::from_secs(wait)).await
             }
             (Method::POST, ["v1", "nodes", node, lane, "ack"]) if role == "node" => {
@@ -208,6 +244,16 @@ impl Server {
                 let node = (*node).to_owned();
                 match read_json::<Ack>(req).await {
                     Ok(ack) => self.ack(&node, kind, ack),
+                    Err(e) => e,
+                }
+            }
+            (Method::POST, ["v1", "nodes", node, "report"]) if role == "node" => {
+                let node = (*node).to_owned();
+                match read_json::<Report>(req).await {
+                    Ok(report) => {
+                        let watch = self.report(&node, report);
+                        json(StatusCode::OK, &serde_json::to_value(watch).unwrap_or_default())
+                    }
                     Err(e) => e,
                 }
             }
@@ -244,9 +290,25 @@ impl Server {
                 snapshot: LaneState::default(),
                 credentials: LaneState::default(),
                 seen: Instant::now(),
+                canary: false,
             });
             n.seen = Instant::now();
         }
+    }
+
+    fn set_canary(&self, node: &str) {
+        if let Ok(mut nodes) = self.nodes.lock()
+            && let Some(n) = nodes.get_mut(node)
+        {
+            n.canary = true;
+        }
+    }
+
+    /// The snapshot version node `node` should run: the head, unless a rollout has not
+    /// reached it yet.
+    fn snapshot_target(&self, node: &str, head: u64) -> u64 {
+        let Ok(rollout) = self.rollout.lock() else { return head };
+        rollout.as_ref().map_or(head, |r| r.target(node))
     }
 
     async fn poll(&self, node: &str, kind: Kind, have: u64, wait: Duration) -> Response<Body> {
@@ -254,12 +316,13 @@ impl Server {
         let mut rx = self.heads.subscribe();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            let head = match kind {
-                Kind::Snapshot => rx.borrow_and_update().0,
-                Kind::Credentials => rx.borrow_and_update().1,
+            let heads = *rx.borrow_and_update();
+            let target = match kind {
+                Kind::Snapshot => self.snapshot_target(node, heads.0),
+                Kind::Credentials => heads.1,
             };
-            if head != 0 && head != have {
-                let got = self.store.head(kind).await;
+            if target != 0 && target != have {
+                let got = self.store.get(kind, target).await;
                 self.touch(node);
                 return match got {
                     Ok(Some(v)) => version_response(&v),
@@ -311,8 +374,130 @@ impl Server {
         nodes.iter().filter(|(_, n)| n.seen.elapsed() < LIVE_FOR).map(|(k, n)| (k.clone(), n.clone())).collect()
     }
 
+    fn node_views(&self) -> Vec<NodeView> {
+        self.live_nodes()
+            .into_iter()
+            .map(|(name, n)| NodeView {
+                name,
+                canary: n.canary,
+                running: n.snapshot.version,
+                refused: n.snapshot.refused,
+            })
+            .collect()
+    }
+
+    /// Takes a node's report; answers with the routes to report next.
+    fn report(&self, node: &str, report: Report) -> Watch {
+        let version = report.snapshot;
+        self.record(node, Kind::Snapshot, |lane| lane.version = version);
+        let Ok(mut reports) = self.reports.lock() else { return Watch::default() };
+        let previous = reports.remove(node);
+        let Ok(mut rollout) = self.rollout.lock() else { return Watch::default() };
+        let watch = match rollout.as_mut() {
+            Some(r) => {
+                // Differences across a version change are not attributed to either side.
+                if let Some((was, before)) = &previous
+                    && *was == version
+                {
+                    for (id, now) in &report.routes {
+                        if let Some(then) = before.get(id) {
+                            r.observe(id, version, &now.since(then));
+                        }
+                    }
+                }
+                Watch { routes: r.routes.clone(), all: r.routes.is_empty() }
+            }
+            None => Watch::default(),
+        };
+        reports.insert(node.to_owned(), (version, report.routes));
+        watch
+    }
+
+    /// Moves the rollout in progress on, ten times a second.
+    async fn drive_rollouts(&self) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let nodes = self.node_views();
+            let step = match self.rollout.lock() {
+                Ok(mut r) => match r.as_mut() {
+                    Some(r) => r.tick(&nodes, &self.rollout_settings),
+                    None => continue,
+                },
+                Err(_) => continue,
+            };
+            match step {
+                Step::Wait => {}
+                Step::Deliver => self.heads.send_modify(|h| h.2 += 1),
+                Step::Done => {
+                    if let Some(r) = self.take_rollout() {
+                        eprintln!("posternctl serve: v{} is on every node", r.to);
+                        self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "done"}));
+                    }
+                    self.heads.send_modify(|h| h.2 += 1);
+                }
+                Step::Revert(why) => self.revert(why).await,
+            }
+        }
+    }
+
+    fn take_rollout(&self) -> Option<Rollout> {
+        self.rollout.lock().ok().and_then(|mut r| r.take())
+    }
+
+    fn set_last(&self, v: serde_json::Value) {
+        if let Ok(mut last) = self.last_rollout.lock() {
+            *last = Some(v);
+        }
+    }
+
+    /// Publishes the contents the rollout started from as a new version, on every node.
+    async fn revert(&self, why: String) {
+        let _one = self.publishing.lock().await;
+        let Some(r) = self.take_rollout() else { return };
+        eprintln!("posternctl serve: reverting v{}: {why}", r.to);
+        let note = format!("v{} reverted to the contents of v{}: {why}", r.to, r.from);
+        let published = match self.store.get(Kind::Snapshot, r.from).await {
+            Ok(Some(old)) => match postern_model::SnapshotFile::open_envelope(&old.bytes) {
+                Ok(f) => {
+                    let change = Change {
+                        kind: Kind::Snapshot,
+                        content: &f.content,
+                        who: "rollout",
+                        action: "auto-revert",
+                        note: &note,
+                    };
+                    self.store.publish(&change).await.map_err(|e| e.to_string())
+                }
+                Err(e) => Err(e.to_string()),
+            },
+            Ok(None) => Err(format!("v{} is gone", r.from)),
+            Err(e) => Err(e.to_string()),
+        };
+        match published {
+            Ok((v, _)) => {
+                self.set_last(serde_json::json!({
+                    "to": r.to, "from": r.from, "outcome": "reverted", "reason": why, "revert_version": v.number,
+                }));
+                self.heads.send_modify(|h| {
+                    h.0 = h.0.max(v.number);
+                    h.2 += 1;
+                });
+            }
+            Err(e) => {
+                // The rollout stays stopped where it was: nodes keep what they run.
+                eprintln!("posternctl serve: cannot publish the revert of v{}: {e}", r.to);
+                self.set_last(serde_json::json!({
+                    "to": r.to, "from": r.from, "outcome": "revert_failed", "reason": why, "error": e,
+                }));
+                if let Ok(mut slot) = self.rollout.lock() {
+                    *slot = Some(r);
+                }
+            }
+        }
+    }
+
     async fn status(&self) -> Response<Body> {
-        let (s, c) = *self.heads.borrow();
+        let (s, c, _) = *self.heads.borrow();
         let live = self.live_nodes();
         let on = |v: u64, lane: fn(&NodeState) -> &LaneState| live.iter().filter(|(_, n)| lane(n).version == v).count();
         let on_snapshot = on(s, |n| &n.snapshot);
@@ -355,6 +540,8 @@ impl Server {
                 "live_nodes": live.len(),
                 "laggards": laggards,
                 "nodes": nodes,
+                "rollout": self.rollout.lock().ok().and_then(|r| r.as_ref().map(Rollout::describe)),
+                "last_rollout": self.last_rollout.lock().ok().and_then(|l| l.clone()),
             }),
         )
     }
@@ -374,6 +561,18 @@ impl Server {
             }
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
+        let previous = match self.store.head(Kind::Snapshot).await {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let old_content = previous.as_ref().and_then(|v| postern_model::SnapshotFile::open_envelope(&v.bytes).ok());
+        let snapshot_changes = old_content.as_ref().is_none_or(|f| f.content.get() != snapshot.get());
+        if snapshot_changes && let Some(busy) = self.rollout.lock().ok().and_then(|r| r.as_ref().map(|r| r.to)) {
+            return error(
+                StatusCode::CONFLICT,
+                format!("v{busy} is rolling out; publish once it is done, or roll back"),
+            );
+        }
         for (hex, bytes) in &modules {
             if let Err(e) = self.store.put_module(hex, bytes).await {
                 return error(StatusCode::SERVICE_UNAVAILABLE, format!("cannot store module {hex}: {e}"));
@@ -395,10 +594,29 @@ impl Server {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
-        self.heads.send_modify(|h| *h = (h.0.max(s.0.number), h.1.max(c.0.number)));
+        let mut rollout = serde_json::Value::Null;
+        if s.1
+            && !self.rollout_settings.dwell.is_zero()
+            && let (Some(from), Some(old)) = (&previous, &old_content)
+        {
+            let nodes = self.node_views();
+            let old: Result<postern_model::Snapshot, _> = serde_json::from_str(old.content.get());
+            let new: Result<postern_model::Snapshot, _> = serde_json::from_str(snapshot.get());
+            if let (Ok(old), Ok(new), false) = (old, new, nodes.is_empty()) {
+                let routes = crate::plan::changed_routes(&old, &new);
+                let r = Rollout::start(from.number, s.0.number, who, routes, &nodes, &self.rollout_settings);
+                rollout = r.describe();
+                if let Ok(mut slot) = self.rollout.lock() {
+                    *slot = Some(r);
+                }
+            }
+        }
+        // The rollout (if any) is in place before any node can see the new head.
+        self.heads.send_modify(|h| *h = (h.0.max(s.0.number), h.1.max(c.0.number), h.2 + 1));
         let mut body = serde_json::json!({
             "snapshot": {"version": s.0.number, "hash": s.0.hash, "changed": s.1},
             "credentials": {"version": c.0.number, "hash": c.0.hash, "changed": c.1},
+            "rollout": rollout,
         });
         if c.1 && !wait_acks.is_zero() {
             // The fast lane: answer once every live node runs the new credentials.
@@ -425,6 +643,10 @@ impl Server {
 
     async fn rollback(&self, who: &str, to: u64) -> Response<Body> {
         let _one = self.publishing.lock().await;
+        // A rollback reaches every node at once: it ends any rollout.
+        if let Some(r) = self.take_rollout() {
+            self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "rolled_back", "by": who}));
+        }
         let old = match self.store.get(Kind::Snapshot, to).await {
             Ok(Some(v)) => v,
             Ok(None) => return error(StatusCode::NOT_FOUND, format!("no snapshot v{to}")),
@@ -438,7 +660,10 @@ impl Server {
         let change = Change { kind: Kind::Snapshot, content: &content, who, action: "rollback", note: &note };
         match self.store.publish(&change).await {
             Ok((v, changed)) => {
-                self.heads.send_modify(|h| h.0 = h.0.max(v.number));
+                self.heads.send_modify(|h| {
+                    h.0 = h.0.max(v.number);
+                    h.2 += 1;
+                });
                 json(
                     StatusCode::OK,
                     &serde_json::json!({"snapshot": {"version": v.number, "hash": v.hash, "changed": changed, "contents_of": to}}),

@@ -22,6 +22,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sha2::Digest as _;
 
+use postern_model::report::{Report, Watch};
+
 use crate::proxy::Gateway;
 use crate::snapshot::Builder;
 
@@ -40,6 +42,10 @@ pub struct ControlSettings {
     pub credentials: PathBuf,
     /// Where filter modules live (`<hex>.wasm`).
     pub modules: PathBuf,
+    /// Staged rollouts give this node new snapshots first.
+    pub canary: bool,
+    /// How often to report the routes a rollout compares.
+    pub report_every: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +72,50 @@ pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings)
     for lane in [Lane::Snapshot, Lane::Credentials] {
         let (gw, builder, settings, client) = (gw.clone(), builder.clone(), settings.clone(), client.clone());
         tokio::spawn(async move { run(lane, gw, builder, settings, client).await });
+    }
+    tokio::spawn(async move { report(gw, settings, client).await });
+}
+
+/// Reports the routes a rollout compares (per route: responses, 5xx, latency histogram,
+/// all since the process started) with the snapshot version running; the answer names
+/// the routes to report next time (none while no rollout runs: the report is a heartbeat).
+async fn report(gw: Arc<Gateway>, s: Arc<ControlSettings>, client: Http) {
+    let url = format!("{}/v1/nodes/{}/report", s.url.trim_end_matches('/'), s.node_id);
+    let mut watch = Watch::default();
+    let mut tick = tokio::time::interval(s.report_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let report = Report {
+            snapshot: gw.live.load().version,
+            routes: if watch.all || !watch.routes.is_empty() {
+                gw.metrics.route_totals(&watch.routes, watch.all)
+            } else {
+                Default::default()
+            },
+        };
+        let Ok(body) = serde_json::to_vec(&report) else { continue };
+        let Ok(req) = Request::post(&url)
+            .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+        else {
+            continue;
+        };
+        let answer = async {
+            let resp = client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+            if !status.is_success() {
+                return Err(format!("{status}"));
+            }
+            serde_json::from_slice::<Watch>(&body).map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(Duration::from_secs(5), answer).await {
+            Ok(Ok(w)) => watch = w,
+            Ok(Err(e)) => tracing::debug!(error = %e, "rollout report not taken"),
+            Err(_) => tracing::debug!("rollout report: no answer"),
+        }
     }
 }
 
@@ -186,7 +236,9 @@ async fn get(
     wait: u64,
 ) -> Result<Option<Bytes>, String> {
     let base = s.url.trim_end_matches('/');
-    let url = format!("{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}", s.node_id, lane.as_str());
+    let canary = if s.canary { "&canary=1" } else { "" };
+    let url =
+        format!("{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}{canary}", s.node_id, lane.as_str());
     let req = Request::get(&url)
         .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
         .body(Full::new(Bytes::new()))

@@ -11,11 +11,7 @@ use std::time::Duration;
 
 use postern_wasm::FilterStats;
 
-/// Upper bounds of the latency buckets, in microseconds.
-const BOUNDS_US: [u64; 18] = [
-    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000,
-    5_000_000, 10_000_000, 30_000_000,
-];
+use postern_model::report::{LATENCY_BOUNDS_US as BOUNDS_US, RouteCounts};
 
 /// A fixed-bucket histogram of durations.
 #[derive(Debug, Default)]
@@ -67,6 +63,15 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
+    /// Totals for a rollout report.
+    pub fn totals(&self) -> RouteCounts {
+        RouteCounts {
+            n: self.by_class.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
+            e5: self.by_class[5].load(Ordering::Relaxed),
+            h: self.latency.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect(),
+        }
+    }
+
     /// Counts one response.
     pub fn count(&self, status: u16) {
         let class = usize::from(status / 100);
@@ -138,6 +143,28 @@ impl Metrics {
     pub fn filter(&self, id: &Arc<str>, name: &str) -> Arc<FilterStats> {
         let mut map = self.filters.lock().unwrap_or_else(|p| p.into_inner());
         map.entry((id.clone(), name.to_owned())).or_default().clone()
+    }
+
+    /// Totals of the routes named (every route that served traffic when `all`), for a
+    /// rollout report; off the request path.
+    pub fn route_totals(&self, ids: &[String], all: bool) -> BTreeMap<String, RouteCounts> {
+        let map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = BTreeMap::new();
+        if all {
+            for (id, m) in map.iter() {
+                let t = m.totals();
+                if t.n > 0 {
+                    out.insert(id.to_string(), t);
+                }
+            }
+        } else {
+            for id in ids {
+                if let Some(m) = map.get(id.as_str()) {
+                    out.insert(id.clone(), m.totals());
+                }
+            }
+        }
+        out
     }
 
     /// Counts a response the gateway made itself.

@@ -89,6 +89,12 @@ pub struct Args {
     /// Bearer token (role `node`) for `--control` (or POSTERN_CONTROL_TOKEN).
     #[arg(long, env = "POSTERN_CONTROL_TOKEN", hide_env_values = true)]
     pub control_token: Option<String>,
+    /// This node is a canary: staged rollouts give it new snapshots first.
+    #[arg(long)]
+    pub control_canary: bool,
+    /// How often to report the routes a rollout compares, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub control_report_ms: u64,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -251,7 +257,7 @@ pub fn apply_snapshot(gw: &Gateway, builder: &Builder, bytes: &[u8]) -> Result<(
         Err(e) => return refuse(e.to_string()),
     };
     let current = gw.live.load();
-    if live.hash == current.hash {
+    if live.hash == current.hash && live.version == current.version {
         return Ok(());
     }
     if live.version <= current.version {
@@ -411,6 +417,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         snapshot: args.snapshot.clone(),
         credentials: credentials.clone(),
         modules: snapshot_dir.join("modules"),
+        canary: args.control_canary,
+        report_every: Duration::from_millis(args.control_report_ms.max(50)),
     });
     if let Some(c) = &control
         && !args.snapshot.exists()

@@ -2,8 +2,9 @@
 //! ephemeral ports. Nodes boot from the control plane, follow every published version,
 //! ACK it (status says who is on what), apply a rollback, get a new API key before the
 //! publish returns, stop honouring a revoked key within a second, keep serving when the
-//! control plane dies, and boot from disk without it. The same store behaviour runs on
-//! PostgreSQL.
+//! control plane dies, and boot from disk without it. A staged rollout gives a change
+//! to the canary first and reverts one that makes its route fail. The same store
+//! behaviour runs on PostgreSQL.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use std::io::{BufRead, BufReader};
@@ -52,11 +53,12 @@ fn write_tokens(dir: &Path) -> std::path::PathBuf {
     path
 }
 
-fn serve(repo: &Path, store: &str, tokens: &Path) -> ControlPlane {
+fn serve(repo: &Path, store: &str, tokens: &Path, extra: &[&str]) -> ControlPlane {
     let mut child = Command::new(bin("posternctl"))
         .arg("serve")
         .arg(repo)
         .args(["--store", store, "--listen", "127.0.0.1:0"])
+        .args(extra)
         .arg("--tokens")
         .arg(tokens)
         .stdout(Stdio::piped())
@@ -84,7 +86,10 @@ fn ctl(cp: &ControlPlane, args: &[&str]) -> serde_json::Value {
 
 fn start_node(cp_url: &str, dir: &Path, name: &str) -> Node {
     std::fs::create_dir_all(dir).unwrap();
-    Node::start(&dir.join("snapshot.json"), &["--control", cp_url, "--control-token", NODE_TOKEN, "--node-id", name])
+    Node::start(
+        &dir.join("snapshot.json"),
+        &["--control", cp_url, "--control-token", NODE_TOKEN, "--node-id", name, "--control-report-ms", "200"],
+    )
 }
 
 async fn wait_for(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
@@ -122,7 +127,8 @@ fn plans(repo: &Repo) {
 async fn a_fleet_follows_publishes_rollbacks_and_the_fast_lane_and_outlives_its_control_plane() {
     let Setup { _echo, repo, work, tokens } = setup();
     let store = work.path().join("store");
-    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens);
+    // Unstaged: every version goes to every node at once (staging has its own test).
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &["--dwell", "0s"]);
 
     let v = ctl(&cp, &["publish"]);
     assert_eq!(v["snapshot"]["version"], 1);
@@ -221,7 +227,7 @@ async fn a_fleet_follows_publishes_rollbacks_and_the_fast_lane_and_outlives_its_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_and_roles_guard_the_api() {
     let Setup { _echo, repo, work, tokens } = setup();
-    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens);
+    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens, &[]);
     let url = |p: &str| format!("{}{p}", cp.url);
     assert_eq!(
         postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[], "").await.status,
@@ -260,7 +266,7 @@ async fn the_postgres_store_numbers_versions_and_never_reuses_them() {
 
     let Setup { _echo, repo, work, tokens } = setup();
     {
-        let cp = serve(repo.path(), &store, &tokens);
+        let cp = serve(repo.path(), &store, &tokens, &[]);
         assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 1);
         repo.write("teams/t/routes.yaml", &routes("two", false));
         assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 2);
@@ -271,8 +277,133 @@ async fn the_postgres_store_numbers_versions_and_never_reuses_them() {
         assert_eq!(get(&n.url("/r"), &[]).await.header("x-tag"), Some("one"));
     }
     // A second instance on the same database continues the numbering.
-    let cp = serve(repo.path(), &store, &tokens);
+    let cp = serve(repo.path(), &store, &tokens, &[]);
     assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 4, "the repository's v2 contents, as v4");
     drop(cp);
     psql(&format!("DROP DATABASE {db} WITH (FORCE)"));
+}
+
+/// Every node's snapshot version, as the control plane's status sees it, sampled until
+/// `until` holds; returns each sample.
+async fn watch_rollout(
+    cp: &ControlPlane,
+    deadline: Duration,
+    until: impl Fn(&serde_json::Value) -> bool,
+) -> Vec<std::collections::BTreeMap<String, u64>> {
+    let mut samples = Vec::new();
+    let end = Instant::now() + deadline;
+    loop {
+        let status = ctl(cp, &["status"]);
+        let versions = status["nodes"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v["snapshot"]["version"].as_u64().unwrap_or(0))).collect())
+            .unwrap_or_default();
+        samples.push(versions);
+        if until(&status) {
+            return samples;
+        }
+        assert!(Instant::now() < end, "rollout did not finish: {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_rollout_goes_canary_first_and_a_change_that_fails_is_reverted() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    // A cluster whose only endpoint refuses connections: routes sent there answer 502.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let echo_addr = _echo.addr();
+    platform(&repo, &[("e", &echo_addr), ("dead", &dead)]);
+    let store = work.path().join("store");
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &["--dwell", "2s", "--rollout-min-requests", "20"]);
+    assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 1);
+    let nodes: Vec<Node> =
+        (0..3).map(|i| start_node(&cp.url, &work.path().join(format!("n{i}")), &format!("node-{i}"))).collect();
+    wait_for("every node on v1", Duration::from_secs(10), async || ctl(&cp, &["status"])["nodes_on_snapshot"] == 3)
+        .await;
+
+    // Steady traffic on /r through every node for the rest of the test.
+    let urls: Vec<String> = nodes.iter().map(|n| n.url("/r")).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for u in &urls {
+                    get(u, &[]).await;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+
+    // A harmless change: the canary (node-0) first, alone for the dwell, then everyone.
+    repo.write("teams/t/routes.yaml", &routes("two", false));
+    let v = ctl(&cp, &["publish"]);
+    assert_eq!(v["snapshot"]["version"], 2);
+    assert_eq!(v["rollout"]["stage"], "canary", "{v}");
+    assert_eq!(v["rollout"]["stage_nodes"], serde_json::json!([1, 3]));
+    assert_eq!(v["rollout"]["routes"], serde_json::json!(["t/r"]), "only the changed route is compared");
+    let t = Instant::now();
+    let samples = watch_rollout(&cp, Duration::from_secs(30), |s| s["last_rollout"]["outcome"] == "done").await;
+    let canary_alone = samples.iter().filter(|s| s["node-0"] == 2 && s["node-1"] == 1 && s["node-2"] == 1).count();
+    assert!(canary_alone > 0, "node-0 never ran v2 alone: {samples:?}");
+    assert!(
+        !samples.iter().any(|s| s["node-0"] == 1 && (s["node-1"] == 2 || s["node-2"] == 2)),
+        "a node got v2 before the canary"
+    );
+    assert!(t.elapsed() >= Duration::from_secs(4), "two dwells of 2 s took {:?}", t.elapsed());
+    for n in &nodes {
+        assert_eq!(get(&n.url("/r"), &[]).await.header("x-tag"), Some("two"));
+    }
+    let status = ctl(&cp, &["status"]);
+    assert!(status["summary"].as_str().unwrap().starts_with("3 of 3 nodes on v2"), "{status}");
+
+    // A change that breaks /r (its cluster refuses connections): the canary's 5xx rate
+    // on /r is compared with the others', and the old contents come back as v4.
+    repo.write(
+        "teams/t/routes.yaml",
+        &routes("two", false).replacen("backendRefs: [{ name: e }]", "backendRefs: [{ name: dead }]", 1),
+    );
+    let v = ctl(&cp, &["publish"]);
+    assert_eq!(v["snapshot"]["version"], 3);
+    let samples = watch_rollout(&cp, Duration::from_secs(30), |s| s["last_rollout"]["outcome"] == "reverted").await;
+    let status = ctl(&cp, &["status"]);
+    let reason = status["last_rollout"]["reason"].as_str().unwrap().to_owned();
+    assert!(reason.starts_with("route t/r: 5xx 100.0 % on v3"), "{reason}");
+    assert_eq!(status["last_rollout"]["revert_version"], 4);
+    assert!(samples.iter().any(|s| s["node-0"] == 3), "the canary ran v3");
+    assert!(!samples.iter().any(|s| s["node-1"] == 3 || s["node-2"] == 3), "only the canary ran v3: {samples:?}");
+    for n in &nodes {
+        n.wait_version(4).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    traffic.await.unwrap();
+    for n in &nodes {
+        let r = get(&n.url("/r"), &[]).await;
+        assert_eq!((r.status, r.header("x-tag")), (StatusCode::OK, Some("two")));
+    }
+    // The audit trail says who did what.
+    let platform_auth = format!("Bearer {PLATFORM_TOKEN}");
+    let audit = get(&format!("{}/v1/audit", cp.url), &[("authorization", &platform_auth)]).await.json();
+    let last = audit.as_array().unwrap().last().unwrap().clone();
+    assert_eq!((last["action"].as_str(), last["who"].as_str()), (Some("auto-revert"), Some("rollout")), "{last}");
+    assert!(last["note"].as_str().unwrap().contains("v3 reverted to the contents of v2"), "{last}");
+
+    // A publish while a rollout runs is refused; a rollback ends the rollout at once.
+    repo.write("teams/t/routes.yaml", &routes("three", false));
+    assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 5);
+    repo.write("teams/t/routes.yaml", &routes("four", false));
+    let out = Command::new(bin("posternctl"))
+        .args(["publish", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("v5 is rolling out"), "{text}");
+    assert_eq!(ctl(&cp, &["rollback", "--to", "2"])["snapshot"]["version"], 6);
+    for n in &nodes {
+        n.wait_version(6).await;
+    }
+    assert_eq!(ctl(&cp, &["status"])["last_rollout"]["outcome"], "rolled_back");
 }

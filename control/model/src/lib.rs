@@ -13,6 +13,7 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 pub mod credentials;
+pub mod report;
 
 /// Version of the snapshot format; a node refuses a snapshot with another one.
 pub const SCHEMA_VERSION: u32 = 1;
