@@ -7,7 +7,9 @@
 //!   inline or `public_key_file`, a path relative to the repository root), `apps` and
 //!   `deny`, with the model's own field names;
 //! - `platform/keys.jsonl`: one API key record per line (hashes only), as written by
-//!   `posternctl key new`.
+//!   `posternctl key new`;
+//! - `platform/deny.jsonl`: one deny entry per line, as written by `posternctl token
+//!   revoke`, added to `deny` in `auth.yaml`.
 //!
 //! The result is checked exactly as a node would load it ([`CredentialStore::build`])
 //! before anything is written.
@@ -26,6 +28,8 @@ use serde::Deserialize;
 pub const AUTH_FILE: &str = "platform/auth.yaml";
 /// The API key table, relative to the repository root.
 pub const KEYS_FILE: &str = "platform/keys.jsonl";
+/// Token revocations, one deny entry per line, relative to the repository root.
+pub const DENY_FILE: &str = "platform/deny.jsonl";
 /// The credentials file's name, written beside the snapshot.
 pub const CREDENTIALS_FILE: &str = "credentials.json";
 
@@ -176,6 +180,22 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
     };
     let (keys, key_errors) = parse_keys(&keys_text);
     errors.extend(key_errors);
+    let mut deny = auth.deny;
+    match std::fs::read_to_string(root.join(DENY_FILE)) {
+        Ok(text) => {
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match serde_json::from_str::<DenyEntry>(line) {
+                    Ok(d) => deny.push(d),
+                    Err(e) => errors.push(format!("{DENY_FILE}:{}: not a deny entry: {e}", i + 1)),
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => errors.push(format!("{DENY_FILE}: cannot read: {e}")),
+    }
 
     let mut signing_keys = Vec::with_capacity(auth.signing_keys.len());
     for (i, doc) in auth.signing_keys.into_iter().enumerate() {
@@ -204,7 +224,7 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
         signing_keys,
         apps: auth.apps,
         keys: keys.into_iter().map(|(_, k)| k).collect(),
-        deny: auth.deny,
+        deny,
     };
     match CredentialStore::build(0, &creds, unix_now()) {
         Ok(_) => Ok(creds),

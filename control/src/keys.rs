@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
 use postern_builtin_filters::auth::apikey::{self, KeyEnv};
-use postern_model::credentials::{Alg, ApiKey, KeyStatus, Priority};
+use postern_model::credentials::{Alg, ApiKey, DenyEntry, KeyStatus, Priority};
 use serde::Serialize;
 
-use crate::credentials::{KEYS_FILE, parse_keys};
+use crate::credentials::{DENY_FILE, KEYS_FILE, parse_keys};
 
 /// Parses a duration like `24h`, `15m` or `90s`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -269,6 +269,58 @@ pub fn revoke_key(repo: &Path, by: RevokeBy<'_>) -> anyhow::Result<Revoked> {
     file.set(index, ApiKey { status: KeyStatus::Revoked, ..key })?;
     file.save()?;
     Ok(Revoked { id, already: false })
+}
+
+/// Whose tokens [`deny`] revokes.
+#[derive(Debug, Clone, Copy)]
+pub enum DenyBy<'a> {
+    /// One token, by its `jti`.
+    Jti(&'a str),
+    /// Every token of one user issued before now.
+    Sub(&'a str),
+    /// Every token of one app issued before now.
+    ClientId(&'a str),
+}
+
+/// Appends a deny entry to `<repo>/platform/deny.jsonl` and returns it. A `jti` entry
+/// lives for the longest token lifetime (`lifetime_s`, leeway included) from `now`; a
+/// user's or app's covers tokens issued before `now` and lives as long after that.
+pub fn deny(repo: &Path, by: DenyBy<'_>, now: u64, lifetime_s: u64) -> anyhow::Result<DenyEntry> {
+    if !repo.is_dir() {
+        bail!("{} is not a directory (expected a config repository)", repo.display());
+    }
+    let (flag, value) = match by {
+        DenyBy::Jti(v) => ("--jti", v),
+        DenyBy::Sub(v) => ("--sub", v),
+        DenyBy::ClientId(v) => ("--client-id", v),
+    };
+    if value.is_empty() || value.len() > 256 || value.chars().any(char::is_control) {
+        bail!("{flag} must be 1 to 256 characters with no control characters");
+    }
+    let none = DenyEntry { jti: None, sub: None, client_id: None, issued_before: None, expires_at: None };
+    let entry = match by {
+        DenyBy::Jti(j) => {
+            DenyEntry { jti: Some(j.to_owned()), expires_at: Some(now.saturating_add(lifetime_s)), ..none }
+        }
+        DenyBy::Sub(s) => DenyEntry { sub: Some(s.to_owned()), issued_before: Some(now), ..none },
+        DenyBy::ClientId(c) => DenyEntry { client_id: Some(c.to_owned()), issued_before: Some(now), ..none },
+    };
+    let path = repo.join(DENY_FILE);
+    let mut text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => bail!("cannot read {}: {e}", path.display()),
+    };
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(&serde_json::to_string(&entry)?);
+    text.push('\n');
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    crate::write_atomic(&path, text.as_bytes())?;
+    Ok(entry)
 }
 
 /// A generated signing key pair, as PEM.

@@ -9,6 +9,7 @@ pub mod config;
 pub mod credentials;
 pub mod filter_run;
 pub mod keys;
+pub mod keyservice;
 pub mod plan;
 pub mod rollout;
 pub mod serve;

@@ -123,13 +123,64 @@ struct ControlArgs {
     token: String,
 }
 
+/// A control plane to send a change to instead of editing a repository.
+#[derive(Args)]
+struct Remote {
+    /// Control plane URL: make the change through its key service.
+    #[arg(long)]
+    control: Option<String>,
+    /// Admin token (or POSTERN_TOKEN).
+    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+impl Remote {
+    /// POSTs `body` to `path`; returns the answer, or the control plane's errors.
+    fn post(&self, path: &str, body: serde_json::Value) -> anyhow::Result<Option<serde_json::Value>> {
+        let Some(base) = &self.control else { return Ok(None) };
+        let token =
+            self.token.as_deref().ok_or_else(|| anyhow::anyhow!("--control needs --token (or POSTERN_TOKEN)"))?;
+        let url = format!("{}{path}", base.trim_end_matches('/'));
+        let (status, bytes) = runtime()?.block_on(posternctl::serve::request_with(
+            http::Method::POST.as_str(),
+            &url,
+            token,
+            Some(body),
+        ))?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        if !status.is_success() {
+            let errors =
+                v["errors"].as_array().map(|e| e.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join("\n  "));
+            let why = errors.filter(|e| !e.is_empty()).or_else(|| v["error"].as_str().map(str::to_owned));
+            anyhow::bail!("control plane answered {status}: {}", why.unwrap_or_default());
+        }
+        Ok(Some(v))
+    }
+}
+
+/// Says which nodes run a fast-lane change.
+fn report_acks(v: &serde_json::Value) {
+    let c = &v["credentials"];
+    let names = |k: &str| c[k].as_array().map(|a| a.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(", "));
+    eprintln!(
+        "credentials v{} applied on {} node(s){}",
+        c["version"],
+        c["acked"].as_array().map_or(0, Vec::len),
+        names("stale").filter(|s| !s.is_empty()).map(|s| format!("; stale: {s}")).unwrap_or_default()
+    );
+}
+
 #[derive(Subcommand)]
 enum KeyCommand {
     /// Create an API key: append its hash to platform/keys.jsonl and print the raw key,
-    /// once, on stdout.
+    /// once, on stdout. With --control, the control plane's key service does it and
+    /// answers once every live node can use the key.
     New {
-        /// The config repository.
-        repo: PathBuf,
+        /// The config repository (or --control).
+        #[arg(required_unless_present = "control")]
+        repo: Option<PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
         /// Key id (not secret; sent to backends as x-auth-key-id).
         #[arg(long)]
         id: String,
@@ -155,8 +206,11 @@ enum KeyCommand {
     /// Replace a key with a new one (same app, tenant, plan, scopes and priority); the old
     /// key keeps working for the overlap. Prints the new raw key, once, on stdout.
     Rotate {
-        /// The config repository.
-        repo: PathBuf,
+        /// The config repository (or --control).
+        #[arg(required_unless_present = "control")]
+        repo: Option<PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
         /// The key to replace.
         #[arg(long, value_name = "OLD")]
         id: String,
@@ -172,8 +226,11 @@ enum KeyCommand {
     },
     /// Revoke a key, by id or by the raw key (e.g. one reported leaked).
     Revoke {
-        /// The config repository.
-        repo: PathBuf,
+        /// The config repository (or --control).
+        #[arg(required_unless_present = "control")]
+        repo: Option<PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
         #[command(flatten)]
         which: RevokeWhich,
     },
@@ -248,6 +305,32 @@ enum TokenCommand {
         #[arg(long)]
         jti: Option<String>,
     },
+    /// Revoke tokens: one (by jti), or every token of a user (sub) or an app (client_id)
+    /// issued before now. Appends to platform/deny.jsonl, or with --control goes through
+    /// the control plane and answers once every live node applies it.
+    Revoke {
+        /// The config repository (or --control).
+        #[arg(required_unless_present = "control")]
+        repo: Option<PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
+        #[command(flatten)]
+        which: DenyWhich,
+    },
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct DenyWhich {
+    /// One token's `jti`.
+    #[arg(long)]
+    jti: Option<String>,
+    /// A user: every token with this `sub` issued before now.
+    #[arg(long)]
+    sub: Option<String>,
+    /// An app: every token with this `client_id` issued before now.
+    #[arg(long)]
+    client_id: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -381,7 +464,18 @@ fn validate(repo: &Path) -> ExitCode {
 
 fn key(command: KeyCommand) -> anyhow::Result<()> {
     match command {
-        KeyCommand::New { repo, id, app, tenant, plan, scopes, priority, test } => {
+        KeyCommand::New { repo, remote, id, app, tenant, plan, scopes, priority, test } => {
+            let body = serde_json::json!({
+                "id": id, "app": app, "tenant": tenant, "plan": plan, "scopes": scopes,
+                "priority": priority_name(priority), "test": test,
+            });
+            if let Some(v) = remote.post("/v1/keys", body)? {
+                println!("{}", v["key"].as_str().unwrap_or_default());
+                report_acks(&v);
+                eprintln!("key {id:?} created. The raw key above is shown only this once; only its hash is kept.");
+                return Ok(());
+            }
+            let repo = repo.unwrap_or_default();
             let env = if test { KeyEnv::Test } else { KeyEnv::Live };
             let spec = keys::NewKey { id, app, tenant, plan, scopes, priority, env };
             let raw = keys::new_key(&repo, &spec)?;
@@ -393,7 +487,17 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 repo.join(posternctl::credentials::KEYS_FILE).display()
             );
         }
-        KeyCommand::Rotate { repo, id, new_id, overlap, test } => {
+        KeyCommand::Rotate { repo, remote, id, new_id, overlap, test } => {
+            let body = serde_json::json!({
+                "new_id": new_id, "overlap": format!("{}s", overlap.as_secs()), "test": test,
+            });
+            if let Some(v) = remote.post(&format!("/v1/keys/{id}/rotate"), body)? {
+                println!("{}", v["key"].as_str().unwrap_or_default());
+                report_acks(&v);
+                eprintln!("key {new_id:?} replaces {id:?}. The raw key above is shown only this once.");
+                return Ok(());
+            }
+            let repo = repo.unwrap_or_default();
             let env = if test { KeyEnv::Test } else { KeyEnv::Live };
             let rotated = keys::rotate_key(&repo, &id, &new_id, overlap, env, unix_now())?;
             println!("{}", rotated.raw_key);
@@ -404,7 +508,7 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 humantime::format_rfc3339_seconds(until)
             );
         }
-        KeyCommand::Revoke { repo, which } => {
+        KeyCommand::Revoke { repo, remote, which } => {
             let raw;
             let by = match (&which.id, &which.key) {
                 (Some(id), _) => keys::RevokeBy::Id(id),
@@ -417,7 +521,16 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 (None, Some(k)) => keys::RevokeBy::RawKey(k),
                 (None, None) => anyhow::bail!("give --id or --key"),
             };
-            let revoked = keys::revoke_key(&repo, by)?;
+            let body = match by {
+                keys::RevokeBy::Id(id) => serde_json::json!({"id": id}),
+                keys::RevokeBy::RawKey(k) => serde_json::json!({"key": k.trim()}),
+            };
+            if let Some(v) = remote.post("/v1/keys/revoke", body)? {
+                println!("revoked key {}", v["id"]);
+                report_acks(&v);
+                return Ok(());
+            }
+            let revoked = keys::revoke_key(&repo.unwrap_or_default(), by)?;
             if revoked.already {
                 println!("key {:?} was already revoked", revoked.id);
             } else {
@@ -461,8 +574,39 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
             };
             println!("{}", keys::mint(&pem, &req)?);
         }
+        TokenCommand::Revoke { repo, remote, which } => {
+            let body = serde_json::json!({"jti": which.jti, "sub": which.sub, "client_id": which.client_id});
+            let op = posternctl::keyservice::Op::Deny(posternctl::keyservice::DenyBody {
+                jti: which.jti,
+                sub: which.sub,
+                client_id: which.client_id,
+            });
+            if let Some(v) = remote.post("/v1/deny", body)? {
+                println!("{}", v["deny"]);
+                report_acks(&v);
+                return Ok(());
+            }
+            let repo = repo.unwrap_or_default();
+            let plans = posternctl::compile::compile(&repo).map_err(|e| anyhow::anyhow!("{e}"))?.snapshot.plans;
+            let (v, _) = posternctl::keyservice::apply(&repo, &plans, op)
+                .map_err(|e| anyhow::anyhow!("refused:\n  {}", e.join("\n  ")))?;
+            println!("{}", v["deny"]);
+            eprintln!(
+                "added to {}; compile or publish to apply it",
+                repo.join(posternctl::credentials::DENY_FILE).display()
+            );
+        }
     }
     Ok(())
+}
+
+fn priority_name(p: Priority) -> &'static str {
+    match p {
+        Priority::Critical => "critical",
+        Priority::Standard => "standard",
+        Priority::Free => "free",
+        Priority::Sheddable => "sheddable",
+    }
 }
 
 fn report(result: anyhow::Result<()>) -> ExitCode {
@@ -555,7 +699,7 @@ fn serve(settings: posternctl::serve::ServeSettings, store: &str) -> anyhow::Res
 /// One request to the control plane; prints the answer (the summary line for status).
 fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
     let url = format!("{}{path}", control.control.trim_end_matches('/'));
-    let (status, body) = runtime()?.block_on(posternctl::serve::request(method, &url, &control.token))?;
+    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(method, &url, &control.token, None))?;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     if let Some(summary) = v["summary"].as_str() {
         println!("{summary}");

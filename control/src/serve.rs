@@ -36,6 +36,7 @@ use tokio::sync::watch;
 
 use postern_model::report::{Report, RouteCounts, Watch};
 
+use crate::keyservice::Op;
 use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
 use crate::store::{Change, Kind, Store, Version};
 
@@ -262,6 +263,34 @@ impl Server {
                     Ok(Some(b)) => Response::new(Full::new(Bytes::from(b))),
                     Ok(None) => error(StatusCode::NOT_FOUND, "no such module"),
                     Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                }
+            }
+            (Method::POST, ["v1", "keys"]) if role == "platform" => {
+                let wait = self.ack_wait(param("wait_acks"));
+                match read_json(req).await {
+                    Ok(body) => self.key_op(&who.name, Op::Create(body), wait).await,
+                    Err(e) => e,
+                }
+            }
+            (Method::POST, ["v1", "keys", "revoke"]) if role == "platform" => {
+                let wait = self.ack_wait(param("wait_acks"));
+                match read_json(req).await {
+                    Ok(body) => self.key_op(&who.name, Op::Revoke(body), wait).await,
+                    Err(e) => e,
+                }
+            }
+            (Method::POST, ["v1", "keys", id, "rotate"]) if role == "platform" => {
+                let (id, wait) = ((*id).to_owned(), self.ack_wait(param("wait_acks")));
+                match read_json(req).await {
+                    Ok(body) => self.key_op(&who.name, Op::Rotate(id, body), wait).await,
+                    Err(e) => e,
+                }
+            }
+            (Method::POST, ["v1", "deny"]) if role == "platform" => {
+                let wait = self.ack_wait(param("wait_acks"));
+                match read_json(req).await {
+                    Ok(body) => self.key_op(&who.name, Op::Deny(body), wait).await,
+                    Err(e) => e,
                 }
             }
             (Method::GET, ["v1", "status"]) if role != "node" => self.status().await,
@@ -627,6 +656,58 @@ impl Server {
         json(StatusCode::OK, &body)
     }
 
+    /// How long a fast-lane change waits for ACKs: `?wait_acks=S`, 5 s by default.
+    fn ack_wait(&self, param: Option<String>) -> Duration {
+        Duration::from_secs(param.and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S))
+    }
+
+    /// A key service change: applied to the repository's credential files, compiled
+    /// against the published plans, published on the fast lane; the answer (with a new
+    /// raw key, shown only here) comes once every live node runs it, or after `wait`
+    /// naming the stale ones.
+    async fn key_op(&self, who: &str, op: Op, wait: Duration) -> Response<Body> {
+        let (action, note) = op.describe();
+        let one = self.publishing.lock().await;
+        let plans = match self.store.head(Kind::Snapshot).await {
+            Ok(Some(v)) => match postern_model::SnapshotFile::open(&v.bytes) {
+                Ok((_, s)) => s.plans,
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            },
+            Ok(None) => return error(StatusCode::CONFLICT, "publish a snapshot (with its plans) first"),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let repo = self.repo.clone();
+        let (mut answer, creds) =
+            match tokio::task::spawn_blocking(move || crate::keyservice::apply(&repo, &plans, op)).await {
+                Ok(Ok(done)) => done,
+                Ok(Err(errors)) => {
+                    return json(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        &serde_json::json!({"error": "refused", "errors": errors}),
+                    );
+                }
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            };
+        let content = match serde_json::value::to_raw_value(&creds) {
+            Ok(c) => c,
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
+        let change = Change { kind: Kind::Credentials, content: &content, who, action, note: &note };
+        let (v, changed) = match self.store.publish(&change).await {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        self.heads.send_modify(|h| h.1 = h.1.max(v.number));
+        drop(one);
+        answer["credentials"] = serde_json::json!({"version": v.number, "changed": changed});
+        if changed {
+            let (acked, stale) = self.wait_acks(v.number, wait).await;
+            answer["credentials"]["acked"] = serde_json::json!(acked);
+            answer["credentials"]["stale"] = serde_json::json!(stale);
+        }
+        json(StatusCode::OK, &answer)
+    }
+
     async fn wait_acks(&self, version: u64, limit: Duration) -> (Vec<String>, Vec<String>) {
         let deadline = Instant::now() + limit;
         loop {
@@ -733,14 +814,21 @@ fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
     Ok((snapshot, creds, modules))
 }
 
-/// One request to a control plane, as the CLI makes it.
-pub async fn request(method: &str, url: &str, token: &str) -> anyhow::Result<(StatusCode, Bytes)> {
+/// One request to a control plane, as the CLI makes it, with an optional JSON body.
+pub async fn request_with(
+    method: &str,
+    url: &str,
+    token: &str,
+    body: Option<serde_json::Value>,
+) -> anyhow::Result<(StatusCode, Bytes)> {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
     let req = Request::builder()
         .method(method)
         .uri(url)
         .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
-        .body(Full::new(Bytes::new()))?;
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))?;
     let resp = tokio::time::timeout(Duration::from_secs(MAX_WAIT_S + 10), client.request(req))
         .await
         .map_err(|_| anyhow::anyhow!("{url}: no answer"))?
