@@ -298,9 +298,9 @@ impl Server {
                 Ok(a) => json(StatusCode::OK, &serde_json::to_value(a).unwrap_or_default()),
                 Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             },
-            (Method::POST, ["v1", "publish"]) if role == "platform" => {
+            (Method::POST, ["v1", "publish"]) if role == "platform" || role.starts_with("team:") => {
                 let wait = param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
-                self.publish(&who.name, Duration::from_secs(wait)).await
+                self.publish(&who.name, role.strip_prefix("team:"), Duration::from_secs(wait)).await
             }
             (Method::POST, ["v1", "rollback"]) if role == "platform" => {
                 let Some(to) = param("to").and_then(|v| v.parse::<u64>().ok()) else {
@@ -575,8 +575,9 @@ impl Server {
         )
     }
 
-    /// Compiles the repository and publishes whatever changed.
-    async fn publish(&self, who: &str, wait_acks: Duration) -> Response<Body> {
+    /// Compiles the repository and publishes whatever changed; a team may publish only
+    /// when everything that changed is its own.
+    async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration) -> Response<Body> {
         let _one = self.publishing.lock().await;
         let repo = self.repo.clone();
         let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
@@ -596,6 +597,18 @@ impl Server {
         };
         let old_content = previous.as_ref().and_then(|v| postern_model::SnapshotFile::open_envelope(&v.bytes).ok());
         let snapshot_changes = old_content.as_ref().is_none_or(|f| f.content.get() != snapshot.get());
+        if let Some(team) = team {
+            let foreign = self.foreign_changes(team, old_content.as_ref(), &snapshot, &credentials).await;
+            if !foreign.is_empty() {
+                return json(
+                    StatusCode::FORBIDDEN,
+                    &serde_json::json!({
+                        "error": format!("team {team} may publish only changes to its own routes"),
+                        "errors": foreign,
+                    }),
+                );
+            }
+        }
         if snapshot_changes && let Some(busy) = self.rollout.lock().ok().and_then(|r| r.as_ref().map(|r| r.to)) {
             return error(
                 StatusCode::CONFLICT,
@@ -654,6 +667,41 @@ impl Server {
             body["credentials"]["stale"] = serde_json::json!(stale);
         }
         json(StatusCode::OK, &body)
+    }
+
+    /// What a publish by `team` would change that is not the team's: other teams' routes,
+    /// platform files, credentials.
+    async fn foreign_changes(
+        &self,
+        team: &str,
+        old: Option<&postern_model::SnapshotFile>,
+        snapshot: &serde_json::value::RawValue,
+        credentials: &serde_json::value::RawValue,
+    ) -> Vec<String> {
+        let Some(old) = old else { return vec!["the first version is published by the platform".to_owned()] };
+        let parsed: Result<(postern_model::Snapshot, postern_model::Snapshot), _> =
+            serde_json::from_str(old.content.get()).and_then(|o| Ok((o, serde_json::from_str(snapshot.get())?)));
+        let mut out = Vec::new();
+        match parsed {
+            Ok((o, n)) => {
+                for (owner, changes) in crate::plan::plan(&o, &n) {
+                    if owner != team {
+                        for (change, id) in changes {
+                            out.push(format!("{} {id} belongs to {owner}", format!("{change:?}").to_lowercase()));
+                        }
+                    }
+                }
+            }
+            Err(e) => out.push(format!("cannot compare with the published snapshot: {e}")),
+        }
+        let creds_head = self.store.head(Kind::Credentials).await.ok().flatten();
+        let same_creds = creds_head
+            .and_then(|v| postern_model::SnapshotFile::open_envelope(&v.bytes).ok())
+            .is_some_and(|f| f.content.get() == credentials.get());
+        if !same_creds {
+            out.push("credentials (keys, signing keys, apps, deny list) belong to platform".to_owned());
+        }
+        out
     }
 
     /// How long a fast-lane change waits for ACKs: `?wait_acks=S`, 5 s by default.

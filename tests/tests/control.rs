@@ -18,6 +18,8 @@ use sha2::Digest as _;
 
 const PLATFORM_TOKEN: &str = "platform-secret-token";
 const NODE_TOKEN: &str = "node-secret-token";
+const TEAM_T_TOKEN: &str = "team-t-secret-token";
+const TEAM_X_TOKEN: &str = "team-x-secret-token";
 
 fn routes(tag: &str, extra_route: bool) -> String {
     let mut s = format!(
@@ -48,6 +50,8 @@ fn write_tokens(dir: &Path) -> std::path::PathBuf {
     let text = serde_json::json!([
         {"name": "alice", "role": "platform", "sha256": h(PLATFORM_TOKEN)},
         {"name": "nodes", "role": "node", "sha256": h(NODE_TOKEN)},
+        {"name": "bob", "role": "team:t", "sha256": h(TEAM_T_TOKEN)},
+        {"name": "carol", "role": "team:x", "sha256": h(TEAM_X_TOKEN)},
     ]);
     std::fs::write(&path, text.to_string()).unwrap();
     path
@@ -302,6 +306,36 @@ async fn tokens_and_roles_guard_the_api() {
     assert_eq!(entries.len(), 2, "{audit}");
     assert_eq!(entries[0]["who"], "alice");
     assert_eq!(entries[0]["action"], "publish");
+
+    // A team publishes its own routes, and nothing else.
+    let publish_as = async |token: &str| {
+        let auth = format!("Bearer {token}");
+        postern_e2e::send(http::Method::POST, &url("/v1/publish"), &[("authorization", &auth)], "").await
+    };
+    repo.write("teams/t/routes.yaml", &routes("two", true));
+    let r = publish_as(TEAM_X_TOKEN).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let errors = r.json()["errors"].to_string();
+    assert!(errors.contains("added t/extra belongs to t") && errors.contains("changed t/r belongs to t"), "{errors}");
+    let r = publish_as(TEAM_T_TOKEN).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.json());
+    assert_eq!(r.json()["snapshot"]["version"], 2);
+    // A platform file changed in the repository: the team may not publish it.
+    repo.write(
+        "platform/plans.yaml",
+        "scopes: []\nproducts: [orders]\nplans:\n  gold: { products: [orders] }\n  silver: { products: [orders] }\n",
+    );
+    let r = publish_as(TEAM_T_TOKEN).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert!(r.json()["errors"].to_string().contains("plan silver belongs to platform"), "{}", r.json());
+    let audit = get(&url("/v1/audit"), &[("authorization", &platform_auth)]).await.json();
+    assert_eq!(audit.as_array().unwrap().last().unwrap()["who"], "bob");
+    // Teams never roll back or manage keys.
+    let auth = format!("Bearer {TEAM_T_TOKEN}");
+    let r = postern_e2e::send(http::Method::POST, &url("/v1/rollback?to=1"), &[("authorization", &auth)], "").await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = postern_e2e::send(http::Method::POST, &url("/v1/keys/revoke"), &[("authorization", &auth)], "{}").await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
