@@ -1,9 +1,10 @@
 //! Compiles a config repository into one [`Snapshot`], collecting every error with the
 //! file, field and owning team it concerns.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use postern_model::{
@@ -69,7 +70,9 @@ struct Ctx {
     /// Module digest → file, for every module a route uses.
     modules: BTreeMap<String, PathBuf>,
     /// Module digest → validation result, so a module is checked once.
-    checked: HashMap<String, Result<(), String>>,
+    checked: HashMap<String, Result<Arc<postern_wasm::Module>, String>>,
+    /// Filter manifests whose sample cases ran.
+    sampled: HashSet<PathBuf>,
     /// `platform/plans.yaml`.
     plans: PlansDoc,
 }
@@ -187,6 +190,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         runtime: None,
         modules: BTreeMap::new(),
         checked: HashMap::new(),
+        sampled: HashSet::new(),
         plans: PlansDoc::default(),
     };
     let plans_path = root.join("platform/plans.yaml");
@@ -332,6 +336,13 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                 routes.push(route);
             }
         }
+    }
+
+    // Saved requests must still reach their routes (only judged on routes that compiled).
+    if cx.diags.is_empty() {
+        let routers: HashMap<Pool, postern_router::Router<usize>> =
+            builders.into_iter().map(|(pool, b)| (pool, b.build())).collect();
+        check_route_samples(&mut cx, &routers, &routes);
     }
 
     if cx.diags.is_empty() {
@@ -702,13 +713,20 @@ fn wasm_filter(
                 .inspect(|rt| cx.runtime = Some(rt.clone()))
                 .map_err(|e| format!("cannot start the Wasm runtime: {e:#}")),
         }
-        .and_then(|rt| rt.load(&bytes, Some(&digest)).map(|_| ()).map_err(|e| e.to_string()));
+        .and_then(|rt| rt.load(&bytes, Some(&digest)).map_err(|e| e.to_string()));
         cx.checked.insert(digest.clone(), result);
     }
-    if let Some(Err(e)) = cx.checked.get(&digest) {
-        let e = e.clone();
-        cx.error(&manifest_path, "module", format!("module {digest}: {e}"), owner);
-        return None;
+    let module = match cx.checked.get(&digest) {
+        Some(Ok(m)) => m.clone(),
+        Some(Err(e)) => {
+            let e = e.clone();
+            cx.error(&manifest_path, "module", format!("module {digest}: {e}"), owner);
+            return None;
+        }
+        None => return None,
+    };
+    if cx.sampled.insert(manifest_path.clone()) {
+        run_samples(cx, &manifest_path, team, &module, &manifest);
     }
     cx.modules.insert(digest.clone(), module_path);
     let attachment = postern_wasm::Attachment {
@@ -727,6 +745,145 @@ fn wasm_filter(
             None
         }
     }
+}
+
+/// Checks every `teams/<team>/samples/*.yaml`: each saved request must route where it
+/// says (a route, or 404/405).
+fn check_route_samples(cx: &mut Ctx, routers: &HashMap<Pool, postern_router::Router<usize>>, routes: &[Route]) {
+    let list = |dir: &Path, want_dirs: bool| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .filter(|p| {
+                        if want_dirs {
+                            p.is_dir()
+                        } else {
+                            matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml"))
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    for dir in list(&cx.root.join("teams"), true) {
+        let team = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        for file in list(&dir.join("samples"), false) {
+            let Some(doc) = cx.load::<crate::config::SamplesDoc>(&file, Some(&team)) else { continue };
+            for (i, sample) in doc.samples.iter().enumerate() {
+                let field = format!("samples[{i}]");
+                match route_sample(sample, &team, routers, routes) {
+                    Ok(()) => {}
+                    Err(why) => cx.error(&file, field, format!("{:?}: {why}", sample.name), Some(&team)),
+                }
+            }
+        }
+    }
+}
+
+fn route_sample(
+    sample: &crate::config::RouteSampleDoc,
+    team: &str,
+    routers: &HashMap<Pool, postern_router::Router<usize>>,
+    routes: &[Route],
+) -> Result<(), String> {
+    let r = &sample.request;
+    let method =
+        http::Method::from_bytes(r.method.as_bytes()).map_err(|_| format!("{:?} is not a method", r.method))?;
+    let mut headers = http::HeaderMap::new();
+    for (k, v) in &r.headers {
+        let name = http::HeaderName::from_bytes(k.as_bytes()).map_err(|_| format!("{k:?} is not a header name"))?;
+        let value = http::HeaderValue::from_str(v).map_err(|_| format!("header {k}: {v:?} is not a header value"))?;
+        headers.insert(name, value);
+    }
+    let host = r.host.as_deref().unwrap_or("sample.invalid").to_ascii_lowercase();
+    let host = host.rsplit_once(':').filter(|(_, p)| p.parse::<u16>().is_ok()).map_or(host.as_str(), |(h, _)| h);
+    let path = r.path.split_once('?').map_or(r.path.as_str(), |(p, _)| p);
+    let pool = r.pool.unwrap_or(Pool::Public);
+    let got = match routers.get(&pool).map(|router| router.find(host, &method, path, &headers)) {
+        Some(postern_router::Match::Found(i)) => Ok(routes.get(*i).map(|r| r.id.clone()).unwrap_or_default()),
+        Some(postern_router::Match::MethodNotAllowed(_)) => Err(405u16),
+        Some(postern_router::Match::NotFound) | None => Err(404u16),
+    };
+    let describe = |g: &Result<String, u16>| match g {
+        Ok(id) => format!("route {id}"),
+        Err(s) => format!("no route ({s})"),
+    };
+    let want = match (&sample.expect.route, sample.expect.status) {
+        (Some(route), None) => Ok(if route.contains('/') { route.clone() } else { format!("{team}/{route}") }),
+        (None, Some(s @ (404 | 405))) => Err(s),
+        _ => return Err("expect gives either route or status (404 or 405)".to_owned()),
+    };
+    if got == want { Ok(()) } else { Err(format!("expected {}, got {}", describe(&want), describe(&got))) }
+}
+
+/// Runs a filter manifest's sample cases in the real sandbox, with the manifest's limits;
+/// each case whose decision differs is an error naming it.
+fn run_samples(
+    cx: &mut Ctx,
+    manifest_path: &Path,
+    team: &str,
+    module: &Arc<postern_wasm::Module>,
+    manifest: &crate::config::FilterManifestDoc,
+) {
+    let Some(rt) = cx.runtime.clone() else { return };
+    for (i, case) in manifest.samples.iter().enumerate() {
+        let field = format!("samples[{i}]");
+        let r = &case.request;
+        let req = crate::filter_run::RunRequest {
+            method: r.method.clone(),
+            path: r.path.clone(),
+            headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            body: r.body.as_ref().map(|b| b.clone().into_bytes()),
+        };
+        let report = match crate::filter_run::run_loaded(&rt, module, &case.config, manifest.limits, &req) {
+            Ok(r) => r,
+            Err(e) => {
+                cx.error(manifest_path, field, format!("{:?}: cannot run: {e:#}", case.name), Some(team));
+                continue;
+            }
+        };
+        // The last phase that ran decides.
+        let got = report["phases"].as_array().and_then(|p| p.last()).cloned().unwrap_or_default();
+        if let Some(why) = sample_mismatch(&case.expect, &got) {
+            cx.error(manifest_path, field, format!("{:?}: {why}", case.name), Some(team));
+        }
+    }
+}
+
+/// How a filter's decision differs from what a sample expects, if it does.
+fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Value) -> Option<String> {
+    let decision = got["decision"].as_str().unwrap_or("none");
+    let describe = |v: &serde_json::Value| match v["decision"].as_str() {
+        Some("respond") => format!("respond {}", v["status"]),
+        Some("failed") => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
+        Some(d) => d.to_owned(),
+        None => "nothing".to_owned(),
+    };
+    let wanted = match (expect.decision.as_str(), expect.status) {
+        ("respond", Some(s)) => format!("respond {s}"),
+        (d, _) => d.to_owned(),
+    };
+    if decision != expect.decision || (decision == "respond" && expect.status.is_some_and(|s| got["status"] != s)) {
+        return Some(format!("expected {wanted}, got {}", describe(got)));
+    }
+    for (name, value) in &expect.set_headers {
+        let set = got["set_headers"].as_array().and_then(|h| {
+            h.iter().find(|kv| kv[0].as_str().is_some_and(|k| k.eq_ignore_ascii_case(name))).map(|kv| kv[1].clone())
+        });
+        if set.as_ref().and_then(|v| v.as_str()) != Some(value.as_str()) {
+            let got = set.map_or("not set".to_owned(), |v| format!("set to {v}"));
+            return Some(format!("expected header {name} set to {value:?}, it was {got}"));
+        }
+    }
+    if let Some(p) = &expect.path
+        && got["path"].as_str() != Some(p.as_str())
+    {
+        return Some(format!("expected path {p:?}, got {}", got["path"]));
+    }
+    None
 }
 
 fn postern_router_header_ok(h: &str) -> Result<(), ()> {
@@ -794,18 +951,25 @@ mod tests {
         )
     }
 
-    /// Compiles a repo with the standard platform files plus `teams/t/routes.yaml`.
-    fn compile_t(routes: &str) -> Result<Snapshot, Vec<String>> {
+    fn write(root: &Path, rel: &str, text: &str) {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
+
+    /// A repo with the standard platform files plus `teams/t/routes.yaml`.
+    fn repo_t(routes: &str) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        let w = |rel: &str, text: &str| {
-            let p = dir.path().join(rel);
-            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-            std::fs::write(p, text).unwrap();
-        };
-        w("platform/clusters.yaml", PLATFORM_CLUSTERS);
-        w("platform/ownership.yaml", OWNERS);
-        w("platform/plans.yaml", PLANS);
-        w("teams/t/routes.yaml", routes);
+        write(dir.path(), "platform/clusters.yaml", PLATFORM_CLUSTERS);
+        write(dir.path(), "platform/ownership.yaml", OWNERS);
+        write(dir.path(), "platform/plans.yaml", PLANS);
+        write(dir.path(), "teams/t/routes.yaml", routes);
+        dir
+    }
+
+    /// Compiles [`repo_t`].
+    fn compile_t(routes: &str) -> Result<Snapshot, Vec<String>> {
+        let dir = repo_t(routes);
         compile(dir.path()).map(|c| c.snapshot).map_err(|r| r.0.iter().map(ToString::to_string).collect())
     }
 
@@ -918,6 +1082,41 @@ mod tests {
         assert!(
             e.contains("routes[0].wasmFilters[0].name: no filter manifest teams/t/filters/nothing-here.yaml"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn saved_requests_must_reach_their_routes() {
+        let dir = repo_t(&route("    match: { path: { value: /t/orders }, methods: [GET] }\n"));
+        let w = |rel: &str, text: &str| write(dir.path(), rel, text);
+        let sample = |name: &str, req: &str, expect: &str| {
+            format!("  - name: {name}\n    request: {req}\n    expect: {expect}\n")
+        };
+        let good = [
+            sample("list", "{ path: /t/orders/7 }", "{ route: r }"),
+            sample("by id", "{ path: \"/t/orders?x=1\", host: \"Any.Example:443\" }", "{ route: t/r }"),
+            sample("delete", "{ method: DELETE, path: /t/orders }", "{ status: 405 }"),
+            sample("elsewhere", "{ path: /u/x }", "{ status: 404 }"),
+        ]
+        .concat();
+        w("teams/t/samples/orders.yaml", &format!("samples:\n{good}"));
+        assert!(compile(dir.path()).is_ok());
+
+        let bad = [
+            sample("moved", "{ path: /t/elsewhere }", "{ route: r }"),
+            sample("now routed", "{ path: /t/orders }", "{ status: 404 }"),
+            sample("partner pool", "{ path: /t/orders, pool: partner }", "{ route: r }"),
+        ]
+        .concat();
+        w("teams/t/samples/orders.yaml", &format!("samples:\n{bad}"));
+        let errs: Vec<String> = compile(dir.path()).err().unwrap().0.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            errs,
+            vec![
+                "teams/t/samples/orders.yaml: samples[0]: \"moved\": expected route t/r, got no route (404) (owner: t)",
+                "teams/t/samples/orders.yaml: samples[1]: \"now routed\": expected no route (404), got route t/r (owner: t)",
+                "teams/t/samples/orders.yaml: samples[2]: \"partner pool\": expected route t/r, got no route (404) (owner: t)",
+            ]
         );
     }
 

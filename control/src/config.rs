@@ -8,6 +8,8 @@
 //! platform/auth.yaml        JWT settings, signing keys, apps, deny list (the credential state)
 //! platform/keys.jsonl       API key records (hashes only), one JSON object per line
 //! teams/<team>/*.yaml       routes: [RouteDoc]
+//! teams/<team>/filters/<name>.yaml   a filter manifest: module, limits, samples
+//! teams/<team>/samples/*.yaml        samples: saved requests and the route each must reach
 //! ```
 
 use std::collections::BTreeMap;
@@ -142,6 +144,102 @@ pub struct FilterManifestDoc {
     /// Limits (defaults where absent); each at most the platform maximum.
     #[serde(default)]
     pub limits: postern_wasm::Limits,
+    /// Sample cases run in the real sandbox at every compile: a request and the decision
+    /// the filter must make.
+    #[serde(default)]
+    pub samples: Vec<FilterSampleDoc>,
+}
+
+/// A request as a sample gives it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SampleRequestDoc {
+    /// Method (default GET).
+    #[serde(default = "get")]
+    pub method: String,
+    /// Host (default: any host).
+    #[serde(default)]
+    pub host: Option<String>,
+    /// Path, optionally with `?query`.
+    pub path: String,
+    /// Headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Body (filters' body phase).
+    #[serde(default)]
+    pub body: Option<String>,
+    /// Listener pool (default public).
+    #[serde(default)]
+    pub pool: Option<Pool>,
+}
+
+fn get() -> String {
+    "GET".to_owned()
+}
+
+/// One filter sample case.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterSampleDoc {
+    /// What it shows.
+    pub name: String,
+    /// The filter's config for this case.
+    #[serde(default)]
+    pub config: serde_json::Value,
+    /// The request.
+    pub request: SampleRequestDoc,
+    /// The decision.
+    pub expect: FilterExpectDoc,
+}
+
+/// The decision a filter sample expects.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FilterExpectDoc {
+    /// `continue` or `respond`.
+    pub decision: String,
+    /// The answer's status, for `respond`.
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// Headers set on the request, for `continue` (each must be set to this value).
+    #[serde(default)]
+    pub set_headers: BTreeMap<String, String>,
+    /// The rewritten path, for `continue`.
+    #[serde(default)]
+    pub path: Option<String>,
+}
+
+/// `teams/<team>/samples/*.yaml`: saved requests.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplesDoc {
+    /// The samples.
+    pub samples: Vec<RouteSampleDoc>,
+}
+
+/// A saved request and where it must go.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSampleDoc {
+    /// What it shows.
+    pub name: String,
+    /// The request.
+    pub request: SampleRequestDoc,
+    /// Where it must go.
+    pub expect: RouteExpectDoc,
+}
+
+/// Where a saved request must go: a route (its name in this team, or `team/name`), or
+/// nowhere (`status: 404`, or 405 for a known path with another method).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteExpectDoc {
+    /// The route.
+    #[serde(default)]
+    pub route: Option<String>,
+    /// 404 or 405.
+    #[serde(default)]
+    pub status: Option<u16>,
 }
 
 /// `platform/filters.yaml`: the review registry.

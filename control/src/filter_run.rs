@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use postern_wasm::runtime::types;
-use postern_wasm::{Binding, FilterStats, Limits, Runtime, RuntimeConfig};
+use postern_wasm::{Binding, FilterStats, Limits, Module, Runtime, RuntimeConfig};
 
 /// One request to run a filter on.
 #[derive(Debug, Clone)]
@@ -55,6 +55,17 @@ pub fn run(
     let runtime = Runtime::new(&RuntimeConfig { max_instances: 4, ..Default::default() })?;
     let bytes = std::fs::read(module).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", module.display()))?;
     let m = runtime.load(&bytes, None)?;
+    run_loaded(&runtime, &m, config, limits, req)
+}
+
+/// Runs a module already loaded in `runtime` (as [`run`] does).
+pub fn run_loaded(
+    runtime: &Runtime,
+    m: &Arc<Module>,
+    config: &serde_json::Value,
+    limits: Limits,
+    req: &RunRequest,
+) -> anyhow::Result<serde_json::Value> {
     let (path, query) = match req.path.split_once('?') {
         Some((p, q)) => (p.to_owned(), Some(q.to_owned())),
         None => (req.path.clone(), None),

@@ -134,3 +134,58 @@ fn posternctl_filter_run_tests_a_build_in_the_real_sandbox() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("over the platform maximum"));
 }
+
+#[test]
+fn a_filter_failing_its_own_sample_cases_is_refused_at_compile() {
+    let repo = Repo::new();
+    platform(&repo, &[("e", "127.0.0.1:9")]);
+    add_filter(&repo, "t", "hmac-verifier", &filter_wasm("hmac-verifier"), "{}");
+    add_filter(&repo, "t", "header-injector", &filter_wasm("header-injector"), "{}");
+    repo.write(
+        "teams/t/routes.yaml",
+        &format!(
+            "routes:\n{}{}",
+            route("hook", "/hook", "hmac-verifier", ", config: { secret: s }"),
+            route("tagged", "/tagged", "header-injector", "")
+        ),
+    );
+    // Samples that hold: an unsigned webhook is refused, the injector sets its header.
+    let manifest = |name: &str, samples: &str| {
+        repo.write(&format!("teams/t/filters/{name}.yaml"), &format!("module: {name}.wasm\nsamples:\n{samples}"));
+    };
+    manifest(
+        "hmac-verifier",
+        "  - name: unsigned webhook\n    config: { secret: s }\n    request: { method: POST, path: /hook }\n    expect: { decision: respond, status: 401 }\n",
+    );
+    manifest(
+        "header-injector",
+        "  - name: sets the team\n    config: { set: { x-team: payments } }\n    request: { path: /tagged }\n    expect: { decision: continue, setHeaders: { x-team: payments } }\n",
+    );
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+
+    // Samples that no longer hold are refused, each named with its file and case.
+    manifest(
+        "hmac-verifier",
+        "  - name: unsigned webhook passes\n    config: { secret: s }\n    request: { method: POST, path: /hook }\n    expect: { decision: continue }\n",
+    );
+    manifest(
+        "header-injector",
+        "  - name: sets the team\n    config: { set: { x-team: billing } }\n    request: { path: /tagged }\n    expect: { decision: continue, setHeaders: { x-team: payments } }\n",
+    );
+    let out = repo.compile(&snap);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "teams/t/filters/hmac-verifier.yaml: samples[0]: \"unsigned webhook passes\": expected continue, got respond 401 (owner: t)"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains(
+            "teams/t/filters/header-injector.yaml: samples[0]: \"sets the team\": expected header x-team set to \"payments\", it was set to \"billing\" (owner: t)"
+        ),
+        "{err}"
+    );
+}
