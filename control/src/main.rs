@@ -5,6 +5,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+
+/// mimalloc, as in the node: compiling a large key table makes many small allocations.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use postern_builtin_filters::auth::apikey::KeyEnv;
 use postern_builtin_filters::auth::unix_now;
 use postern_model::credentials::{Alg, Credentials, Priority};

@@ -10,7 +10,28 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{SnapshotError, SnapshotFile};
+use serde_json::value::RawValue;
+
+use crate::{SnapshotError, content_hash};
+
+/// The number and hash of a sealed file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sealed {
+    /// Version.
+    pub version: u64,
+    /// `sha256:<hex>` of the content.
+    pub hash: String,
+}
+
+/// The sealed envelope, with its content borrowed from the bytes read.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvelopeRef<'a> {
+    version: u64,
+    hash: String,
+    #[serde(borrow)]
+    content: &'a RawValue,
+}
 
 /// Version of the credentials format.
 pub const CREDENTIALS_SCHEMA: u32 = 1;
@@ -52,13 +73,26 @@ impl Credentials {
     }
 
     /// Parses a sealed credentials file, checking its hash and schema.
-    pub fn open(bytes: &[u8]) -> Result<(SnapshotFile, Credentials), SnapshotError> {
-        let file = SnapshotFile::open_envelope(bytes)?;
-        let creds: Credentials = serde_json::from_str(file.content.get())?;
+    ///
+    /// A table of a million keys is a couple of hundred megabytes: the envelope is read
+    /// without copying its content, and the content is hashed on a second thread while
+    /// it is parsed on this one.
+    pub fn open(bytes: &[u8]) -> Result<(Sealed, Credentials), SnapshotError> {
+        let file: EnvelopeRef<'_> = serde_json::from_slice(bytes)?;
+        let content = file.content.get();
+        let (actual, creds) = std::thread::scope(|s| {
+            let hashing = s.spawn(|| content_hash(content.as_bytes()));
+            let creds = serde_json::from_str::<Credentials>(content);
+            (hashing.join().unwrap_or_default(), creds)
+        });
+        if actual != file.hash {
+            return Err(SnapshotError::HashMismatch { expected: file.hash, actual });
+        }
+        let creds = creds?;
         if creds.schema != CREDENTIALS_SCHEMA {
             return Err(SnapshotError::Schema(creds.schema));
         }
-        Ok((file, creds))
+        Ok((Sealed { version: file.version, hash: file.hash }, creds))
     }
 }
 
