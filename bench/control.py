@@ -151,6 +151,7 @@ def boot(bindir, work, out, runs=3):
 
 def fast_lane(bindir, work, repo, nodes, ops):
     """p50/p99 of key-service changes answered once every live node applied them."""
+    os.makedirs(work, exist_ok=True)
     tokens = f"{work}/tokens.json"
     h = lambda t: hashlib.sha256(t.encode()).hexdigest()
     with open(tokens, "w") as f:
@@ -204,12 +205,22 @@ def main():
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="postern-control-bench-")
     rows = []
+    print("| measure | figure |\n|---|---|", flush=True)
+
+    class Rows(list):
+        def append(self, row):
+            print(f"| {row[0]} | {row[1]} |", flush=True)
+            super().append(row)
+
+    rows = Rows()
     try:
         small = f"{work}/repo-small"
         big = f"{work}/repo-100k"
         n = make_repo(small, 0)
         make_repo(big, KEYS)
         ctl = f"{a.bin}/posternctl"
+        os.makedirs(f"{work}/out-small", exist_ok=True)
+        os.makedirs(f"{work}/out", exist_ok=True)
         runs = [timed([ctl, "compile", small, "-o", f"{work}/out-small/snapshot.json"]) for _ in range(3)]
         rows.append((f"compile + validate {n} routes, {TEAMS} teams", f"{statistics.median(runs) * 1e3:.0f} ms (runs: "
                      + ", ".join(f"{r * 1e3:.0f}" for r in runs) + ")"))
@@ -230,9 +241,6 @@ def main():
                              f"max {max(took) * 1e3:.0f} ms; stale answers {stale}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| measure | figure |\n|---|---|")
-    for k, v in rows:
-        print(f"| {k} | {v} |")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ use postern_builtin_filters::auth::{Authenticator, CredentialStore, Methods, api
 use postern_model::SnapshotFile;
 use postern_model::credentials::{Alg, ApiKey, App, Credentials, DenyEntry, KeyStatus, Priority, SigningKey};
 
-
 /// The node's allocator, so load figures match the node's.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

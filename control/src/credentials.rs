@@ -88,6 +88,11 @@ pub fn parse_keys(text: &str) -> (Vec<(usize, ApiKey)>, Vec<String>) {
     (keys, errors)
 }
 
+/// The JWT settings of `platform/auth.yaml` (the defaults when it is absent or invalid).
+pub fn jwt_settings(root: &Path) -> JwtSettings {
+    load_auth(root, &mut Vec::new()).map(|a| a.jwt).unwrap_or_default()
+}
+
 fn load_auth(root: &Path, errors: &mut Vec<String>) -> Option<AuthDoc> {
     let path = root.join(AUTH_FILE);
     let text = match std::fs::read_to_string(&path) {

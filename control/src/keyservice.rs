@@ -135,30 +135,51 @@ impl Saved {
     }
 }
 
-/// Applies `op` to the repository and compiles the credential state against `plans`.
-/// Returns the answer for the caller (holding the raw key of a new key) and the state to
-/// publish; on any error the files are left as they were.
-pub fn apply(
-    repo: &Path,
-    plans: &BTreeMap<String, Plan>,
-    op: Op,
-) -> Result<(serde_json::Value, Credentials), Vec<String>> {
-    // The state must compile before the change too, so an error is the change's own.
-    let before = compile_credentials(repo, plans)?;
+/// What a change did: the answer for the caller, the state to publish, and the records
+/// it added or changed (the fast lane's delta).
+#[derive(Debug)]
+pub struct Applied {
+    /// For the caller; holds the raw key of a new key.
+    pub answer: serde_json::Value,
+    /// The whole state after the change.
+    pub credentials: Credentials,
+    /// Key records added or changed.
+    pub keys: Vec<postern_model::credentials::ApiKey>,
+    /// Deny entries added.
+    pub deny: Vec<postern_model::credentials::DenyEntry>,
+}
+
+/// Applies `op` to the repository and compiles the credential state against `plans`; on
+/// any error the files are left as they were.
+pub fn apply(repo: &Path, plans: &BTreeMap<String, Plan>, op: Op) -> Result<Applied, Vec<String>> {
     let saved = Saved::take(repo);
-    let answer = change(repo, &before, op).map_err(|e| vec![format!("{e:#}")]);
+    let ids: Vec<String> = match &op {
+        Op::Rotate(id, b) => vec![id.clone(), b.new_id.clone()],
+        _ => Vec::new(),
+    };
+    let answer = change(repo, op).map_err(|e| vec![format!("{e:#}")]);
     let result = answer.and_then(|a| compile_credentials(repo, plans).map(|c| (a, c)));
-    if result.is_err() {
-        saved.restore();
+    let (answer, credentials) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            saved.restore();
+            return Err(e);
+        }
+    };
+    let mut ids = ids;
+    if let Some(id) = answer["id"].as_str() {
+        ids.push(id.to_owned());
     }
-    result
+    let keys = credentials.keys.iter().filter(|k| ids.contains(&k.id)).cloned().collect();
+    let deny = serde_json::from_value(answer["deny"].clone()).map(|d| vec![d]).unwrap_or_default();
+    Ok(Applied { answer, credentials, keys, deny })
 }
 
 fn env(test: bool) -> KeyEnv {
     if test { KeyEnv::Test } else { KeyEnv::Live }
 }
 
-fn change(repo: &Path, before: &Credentials, op: Op) -> anyhow::Result<serde_json::Value> {
+fn change(repo: &Path, op: Op) -> anyhow::Result<serde_json::Value> {
     let now = unix_now();
     Ok(match op {
         Op::Create(b) => {
@@ -200,7 +221,8 @@ fn change(repo: &Path, before: &Credentials, op: Op) -> anyhow::Result<serde_jso
                 (None, None, Some(c)) => keys::DenyBy::ClientId(c),
                 _ => anyhow::bail!("give exactly one of jti, sub or client_id"),
             };
-            let lifetime = before.jwt.max_lifetime_s.saturating_add(before.jwt.leeway_s);
+            let jwt = crate::credentials::jwt_settings(repo);
+            let lifetime = jwt.max_lifetime_s.saturating_add(jwt.leeway_s);
             let entry = keys::deny(repo, by, now, lifetime)?;
             serde_json::json!({"deny": entry})
         }
@@ -234,7 +256,9 @@ mod tests {
     #[test]
     fn keys_are_created_rotated_and_revoked_and_a_failed_change_leaves_the_files() {
         let (dir, plans) = repo();
-        let (answer, creds) = apply(dir.path(), &plans, create("k1", "gold")).unwrap_or_else(|e| panic!("{e:?}"));
+        let Applied { answer, credentials: creds, keys, .. } =
+            apply(dir.path(), &plans, create("k1", "gold")).unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(keys.iter().map(|k| k.id.as_str()).collect::<Vec<_>>(), ["k1"], "the delta");
         let raw = answer["key"].as_str().unwrap_or_default().to_owned();
         assert!(raw.starts_with("ak_live_"), "{answer}");
         assert_eq!(creds.keys.len(), 1);
@@ -249,12 +273,13 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.path().join(KEYS_FILE)).unwrap_or_default(), file);
 
         let rotate = RotateBody { new_id: "k1b".into(), overlap: Some("1h".into()), test: false };
-        let (answer, creds) =
+        let Applied { answer, credentials: creds, keys, .. } =
             apply(dir.path(), &plans, Op::Rotate("k1".into(), rotate)).unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(answer["replaces"], "k1");
         assert_eq!(creds.keys.len(), 2);
+        assert_eq!(keys.len(), 2, "both records changed");
         let revoke = RevokeBody { id: None, key: Some(raw) };
-        let (answer, _) = apply(dir.path(), &plans, Op::Revoke(revoke)).unwrap_or_else(|e| panic!("{e:?}"));
+        let answer = apply(dir.path(), &plans, Op::Revoke(revoke)).unwrap_or_else(|e| panic!("{e:?}")).answer;
         assert_eq!((answer["id"].as_str(), answer["already"].as_bool()), (Some("k1"), Some(false)));
     }
 
@@ -262,10 +287,13 @@ mod tests {
     fn tokens_are_denied_by_jti_user_or_app() {
         let (dir, plans) = repo();
         let jti = DenyBody { jti: Some("t-1".into()), sub: None, client_id: None };
-        let (answer, creds) = apply(dir.path(), &plans, Op::Deny(jti)).unwrap_or_else(|e| panic!("{e:?}"));
+        let Applied { answer, credentials: creds, deny, .. } =
+            apply(dir.path(), &plans, Op::Deny(jti)).unwrap_or_else(|e| panic!("{e:?}"));
         assert!(answer["deny"]["expires_at"].as_u64().is_some(), "{answer}");
+        assert_eq!(deny.len(), 1, "the delta");
         let sub = DenyBody { jti: None, sub: Some("alice".into()), client_id: None };
-        let (answer, creds2) = apply(dir.path(), &plans, Op::Deny(sub)).unwrap_or_else(|e| panic!("{e:?}"));
+        let Applied { answer, credentials: creds2, .. } =
+            apply(dir.path(), &plans, Op::Deny(sub)).unwrap_or_else(|e| panic!("{e:?}"));
         assert!(answer["deny"]["issued_before"].as_u64().is_some(), "{answer}");
         assert_eq!((creds.deny.len(), creds2.deny.len()), (1, 2));
         let both = DenyBody { jti: Some("x".into()), sub: Some("y".into()), client_id: None };

@@ -592,8 +592,9 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
             }
             let repo = repo.unwrap_or_default();
             let plans = posternctl::compile::compile(&repo).map_err(|e| anyhow::anyhow!("{e}"))?.snapshot.plans;
-            let (v, _) = posternctl::keyservice::apply(&repo, &plans, op)
-                .map_err(|e| anyhow::anyhow!("refused:\n  {}", e.join("\n  ")))?;
+            let v = posternctl::keyservice::apply(&repo, &plans, op)
+                .map_err(|e| anyhow::anyhow!("refused:\n  {}", e.join("\n  ")))?
+                .answer;
             println!("{}", v["deny"]);
             eprintln!(
                 "added to {}; compile or publish to apply it",

@@ -106,7 +106,13 @@ struct Server {
     last_rollout: Mutex<Option<serde_json::Value>>,
     /// Each node's last report: the version it ran and its route totals.
     reports: Mutex<BTreeMap<String, LastReport>>,
+    /// The key service's recent changes as deltas (base, version, document): a node
+    /// running the base gets the delta instead of the whole table.
+    deltas: Mutex<std::collections::VecDeque<(u64, u64, Bytes)>>,
 }
+
+/// Deltas kept for nodes a few changes behind.
+const DELTAS_KEPT: usize = 256;
 
 type Body = Full<Bytes>;
 
@@ -156,6 +162,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         rollout: Mutex::new(None),
         last_rollout: Mutex::new(None),
         reports: Mutex::new(BTreeMap::new()),
+        deltas: Mutex::new(std::collections::VecDeque::new()),
     });
     let listener = tokio::net::TcpListener::bind(settings.listen).await?;
     let addr = listener.local_addr()?;
@@ -238,7 +245,8 @@ impl Server {
                 if param("canary").as_deref() == Some("1") {
                     self.set_canary(node);
                 }
-                self.poll(node, kind, have, Duration::from_secs(wait)).await
+                let full = param("full").as_deref() == Some("1");
+                self.poll(node, kind, have, Duration::from_secs(wait), full).await
             }
             (Method::POST, ["v1", "nodes", node, lane, "ack"]) if role == "node" => {
                 let Some(kind) = lane_kind(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
@@ -340,7 +348,13 @@ impl Server {
         rollout.as_ref().map_or(head, |r| r.target(node))
     }
 
-    async fn poll(&self, node: &str, kind: Kind, have: u64, wait: Duration) -> Response<Body> {
+    /// The delta from `base` to `version`, if the key service made one.
+    fn delta(&self, base: u64, version: u64) -> Option<Bytes> {
+        let deltas = self.deltas.lock().ok()?;
+        deltas.iter().find(|(b, v, _)| *b == base && *v == version).map(|(_, _, d)| d.clone())
+    }
+
+    async fn poll(&self, node: &str, kind: Kind, have: u64, wait: Duration, full: bool) -> Response<Body> {
         self.touch(node);
         let mut rx = self.heads.subscribe();
         let deadline = tokio::time::Instant::now() + wait;
@@ -351,6 +365,16 @@ impl Server {
                 Kind::Credentials => heads.1,
             };
             if target != 0 && target != have {
+                if kind == Kind::Credentials
+                    && !full
+                    && let Some(delta) = self.delta(have, target)
+                {
+                    self.touch(node);
+                    let mut r = Response::new(Full::new(delta));
+                    r.headers_mut()
+                        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+                    return r;
+                }
                 let got = self.store.get(kind, target).await;
                 self.touch(node);
                 return match got {
@@ -724,19 +748,23 @@ impl Server {
             Ok(None) => return error(StatusCode::CONFLICT, "publish a snapshot (with its plans) first"),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
+        let base = match self.store.head(Kind::Credentials).await {
+            Ok(v) => v.map(|v| v.number),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
         let repo = self.repo.clone();
-        let (mut answer, creds) =
-            match tokio::task::spawn_blocking(move || crate::keyservice::apply(&repo, &plans, op)).await {
-                Ok(Ok(done)) => done,
-                Ok(Err(errors)) => {
-                    return json(
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        &serde_json::json!({"error": "refused", "errors": errors}),
-                    );
-                }
-                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-            };
-        let content = match serde_json::value::to_raw_value(&creds) {
+        let applied = match tokio::task::spawn_blocking(move || crate::keyservice::apply(&repo, &plans, op)).await {
+            Ok(Ok(done)) => done,
+            Ok(Err(errors)) => {
+                return json(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    &serde_json::json!({"error": "refused", "errors": errors}),
+                );
+            }
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
+        let mut answer = applied.answer;
+        let content = match serde_json::value::to_raw_value(&applied.credentials) {
             Ok(c) => c,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
@@ -745,6 +773,22 @@ impl Server {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
+        if changed && let Some(base) = base {
+            let doc = postern_model::credentials::DeltaDoc {
+                delta: postern_model::credentials::CredentialsDelta {
+                    base,
+                    version: v.number,
+                    keys: applied.keys,
+                    deny: applied.deny,
+                },
+            };
+            if let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
+                deltas.push_back((base, v.number, Bytes::from(bytes)));
+                if deltas.len() > DELTAS_KEPT {
+                    deltas.pop_front();
+                }
+            }
+        }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);
         answer["credentials"] = serde_json::json!({"version": v.number, "changed": changed});

@@ -124,7 +124,7 @@ pub async fn fetch_first(settings: &ControlSettings, wait: Duration) -> anyhow::
     let client: Http = Client::builder(TokioExecutor::new()).build_http();
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        match get(&client, settings, Lane::Snapshot, 0, 0, 5).await {
+        match get(&client, settings, Lane::Snapshot, 0, 0, 5, true).await {
             Ok(Some(bytes)) => {
                 fetch_modules(&client, settings, &bytes).await.map_err(|e| anyhow::anyhow!(e))?;
                 return Ok(bytes.to_vec());
@@ -147,18 +147,27 @@ fn running(gw: &Gateway, lane: Lane) -> u64 {
 async fn run(lane: Lane, gw: Arc<Gateway>, builder: Arc<Builder>, settings: Arc<ControlSettings>, client: Http) {
     // A version refused once is not asked for again; a newer one is.
     let mut refused = 0u64;
+    // After a delta fails, ask for whole versions until one applies.
+    let mut want_full = false;
     let mut backoff = Duration::from_millis(200);
     loop {
         let now = running(&gw, lane);
-        match get(&client, &settings, lane, now, now.max(refused), 25).await {
+        match get(&client, &settings, lane, now, now.max(refused), 25, want_full).await {
             Ok(None) => backoff = Duration::from_millis(200),
             Ok(Some(bytes)) => {
                 backoff = Duration::from_millis(200);
                 let version = envelope_version(&bytes);
-                let outcome = apply(lane, &gw, &builder, &settings, &client, bytes).await;
+                let outcome = apply(lane, &gw, &builder, &settings, &client, bytes.clone()).await;
+                let delta = postern_model::credentials::DeltaDoc::parse(&bytes).is_some();
                 if let Err(why) = &outcome {
                     tracing::error!(lane = lane.as_str(), version, error = %why, "version refused; keeping the live one");
-                    refused = version;
+                    if delta {
+                        want_full = true;
+                    } else {
+                        refused = version;
+                    }
+                } else {
+                    want_full = false;
                 }
                 let ack = serde_json::json!({
                     "version": version,
@@ -184,7 +193,13 @@ fn envelope_version(bytes: &[u8]) -> u64 {
     struct V {
         version: u64,
     }
-    serde_json::from_slice::<V>(bytes).map_or(0, |v| v.version)
+    match postern_model::credentials::DeltaDoc::parse(bytes) {
+        Some(d) => d.map_or(0, |d| d.delta.version),
+        None => postern_model::credentials::Credentials::peek_version(bytes)
+            .ok()
+            .or_else(|| serde_json::from_slice::<V>(bytes).ok().map(|v| v.version))
+            .unwrap_or(0),
+    }
 }
 
 async fn apply(
@@ -204,14 +219,46 @@ async fn apply(
                 .map_err(|e| e.to_string())??;
             write_atomic(&settings.snapshot, &bytes)
         }
-        Lane::Credentials => {
-            let (gw2, b2) = (gw.clone(), bytes.clone());
-            tokio::task::spawn_blocking(move || crate::server::apply_credentials(&gw2, &b2))
-                .await
-                .map_err(|e| e.to_string())??;
-            write_atomic(&settings.credentials, &bytes)
-        }
+        Lane::Credentials => match postern_model::credentials::DeltaDoc::parse(&bytes) {
+            Some(doc) => {
+                let doc = doc.map_err(|e| format!("malformed delta: {e}"))?;
+                let gw2 = gw.clone();
+                tokio::task::spawn_blocking(move || crate::server::apply_credentials_delta(&gw2, &doc))
+                    .await
+                    .map_err(|e| e.to_string())??;
+                append_line(&crate::server::delta_log(&settings.credentials), &bytes)
+            }
+            None => {
+                let (gw2, b2) = (gw.clone(), bytes.clone());
+                tokio::task::spawn_blocking(move || crate::server::apply_credentials(&gw2, &b2))
+                    .await
+                    .map_err(|e| e.to_string())??;
+                write_atomic(&settings.credentials, &bytes)?;
+                // The whole version holds every delta before it.
+                match std::fs::remove_file(crate::server::delta_log(&settings.credentials)) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        Err(format!("cannot clear the delta log: {e}"))
+                    }
+                    _ => Ok(()),
+                }
+            }
+        },
     }
+}
+
+/// Appends `line` and a newline to `path`, synced before returning (a crash leaves at most
+/// a partial last line, which the replay stops at).
+fn append_line(path: &Path, line: &[u8]) -> Result<(), String> {
+    use std::io::Write as _;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let mut buf = Vec::with_capacity(line.len() + 1);
+    buf.extend(line.iter().copied().filter(|b| *b != b'\n'));
+    buf.push(b'\n');
+    f.write_all(&buf).and_then(|()| f.sync_data()).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Writes `bytes` to `path` whole: a temporary file, synced, then renamed.
@@ -234,11 +281,16 @@ async fn get(
     running: u64,
     have: u64,
     wait: u64,
+    full: bool,
 ) -> Result<Option<Bytes>, String> {
     let base = s.url.trim_end_matches('/');
     let canary = if s.canary { "&canary=1" } else { "" };
-    let url =
-        format!("{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}{canary}", s.node_id, lane.as_str());
+    let full = if full { "&full=1" } else { "" };
+    let url = format!(
+        "{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}{canary}{full}",
+        s.node_id,
+        lane.as_str()
+    );
     let req = Request::get(&url)
         .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
         .body(Full::new(Bytes::new()))

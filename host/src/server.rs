@@ -297,6 +297,13 @@ pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), String> {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
         Err(why)
     };
+    // The file the node itself just wrote (or any file of the live version) is not parsed
+    // again: for a large key table that is most of a change's cost.
+    if postern_model::credentials::Credentials::peek_version(bytes)
+        .is_ok_and(|v| v == gw.auth.credentials.load().version && v != 0)
+    {
+        return Ok(());
+    }
     let (file, creds) = match postern_model::credentials::Credentials::open(bytes) {
         Ok(x) => x,
         Err(e) => return refuse(e.to_string()),
@@ -319,6 +326,49 @@ pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), String> {
     gw.metrics.credentials_version.store(file.version, Ordering::Relaxed);
     tracing::info!(version = file.version, keys, signing, apps, deny, "credentials live");
     Ok(())
+}
+
+/// Applies a fast-lane delta to the live credential state; it must start from the live
+/// version.
+pub fn apply_credentials_delta(gw: &Gateway, doc: &postern_model::credentials::DeltaDoc) -> Result<(), String> {
+    let d = &doc.delta;
+    let live = gw.auth.credentials.load();
+    if live.version != d.base {
+        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
+        return Err(format!("delta from v{} to v{}, but v{} is live", d.base, d.version, live.version));
+    }
+    let now = postern_builtin_filters::auth::unix_now();
+    let store = live.with_changes(d.version, &d.keys, &d.deny, now).inspect_err(|_| {
+        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
+    })?;
+    gw.auth.credentials.store(Arc::new(store));
+    gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
+    gw.metrics.credentials_version.store(d.version, Ordering::Relaxed);
+    tracing::info!(version = d.version, keys = d.keys.len(), deny = d.deny.len(), "credentials live (delta)");
+    Ok(())
+}
+
+/// The log of fast-lane deltas applied since the credentials file was written, one JSON
+/// document a line, beside it.
+pub fn delta_log(credentials: &Path) -> PathBuf {
+    credentials.with_extension("deltas")
+}
+
+/// Replays the delta log over the credentials file just loaded; stops at the first line
+/// that is partial, corrupted or does not follow (a crash mid-append loses only that one).
+fn replay_deltas(gw: &Gateway, credentials: &Path) {
+    let Ok(text) = std::fs::read_to_string(delta_log(credentials)) else { return };
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let applied = match postern_model::credentials::DeltaDoc::parse(line.as_bytes()) {
+            Some(Ok(doc)) => apply_credentials_delta(gw, &doc),
+            Some(Err(e)) => Err(e.to_string()),
+            None => Err("not a delta".to_owned()),
+        };
+        if let Err(e) = applied {
+            tracing::warn!(error = %e, "credential delta log: stopped replaying");
+            return;
+        }
+    }
 }
 
 async fn watch_snapshot(
@@ -437,6 +487,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if credentials.exists() {
         reload_credentials(&gw, &credentials)
             .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;
+        replay_deltas(&gw, &credentials);
     } else {
         tracing::warn!(path = %credentials.display(), "no credentials file: authenticated routes refuse every caller");
     }

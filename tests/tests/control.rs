@@ -264,6 +264,20 @@ async fn a_fleet_follows_publishes_rollbacks_and_the_fast_lane_and_outlives_its_
     assert!(actions.ends_with(&["key-create", "key-revoke", "token-revoke"]), "{actions:?}");
     let audit_text = audit.to_string();
     assert!(!audit_text.contains(&k2), "the audit trail never holds a key");
+    // Those changes travelled as deltas (a copy of the key index, not a reload); one more
+    // key, kept active, shows below that a restarted node replays them from disk.
+    let out = Command::new(bin("posternctl"))
+        .args(["key", "new", "--id", "k4", "--app", "app4", "--tenant", "acme", "--plan", "gold"])
+        .args(remote)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let k4 = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    for n in &nodes {
+        assert!(n.log().contains("credentials live (delta)"), "{}", n.log());
+        assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &k4)]).await.status, StatusCode::OK);
+    }
+    let creds_version = get(&nodes[0].admin_url("/readyz"), &[]).await.json()["credentials"]["version"].clone();
 
     // The control plane dies: traffic is unaffected.
     drop(cp);
@@ -279,6 +293,11 @@ async fn a_fleet_follows_publishes_rollbacks_and_the_fast_lane_and_outlives_its_
     assert_eq!(n.version().await, version);
     assert_eq!(get(&n.url("/extra"), &[]).await.status, StatusCode::OK);
     assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &key)]).await.status, StatusCode::UNAUTHORIZED);
+    // The credentials file plus the delta log on disk: the same state as before.
+    assert_eq!(get(&n.admin_url("/readyz"), &[]).await.json()["credentials"]["version"], creds_version);
+    assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &k4)]).await.status, StatusCode::OK);
+    assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &k2)]).await.status, StatusCode::UNAUTHORIZED);
+    assert!(!n.log().contains("stopped replaying"), "{}", n.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,12 +10,12 @@ use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey, RSA_PKCS1_2
 use bytes::Bytes;
 use jsonwebtoken::DecodingKey;
 use postern_filter_contract::{CredentialKind, Identity};
-use postern_model::credentials::{Alg, Credentials, KeyStatus};
+use postern_model::credentials::{Alg, ApiKey, Credentials, DenyEntry, KeyStatus};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// An API key ready for requests.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KeyEntry {
     /// The caller this key proves, with its header values made once.
     pub identity: Arc<Identity>,
@@ -62,7 +62,7 @@ struct Before {
 
 /// Revoked tokens (by `jti`), users (`sub`) and apps (`client_id`), each entry living
 /// until every token it covers has expired.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct DenyList {
     jti: FastMap<Box<str>, u64>,
     sub: FastMap<Box<str>, Before>,
@@ -111,14 +111,81 @@ pub struct CredentialStore {
     /// The credentials file's version (0: none loaded).
     pub version: u64,
     keys: FastMap<[u8; 32], KeyEntry>,
-    signing: FastMap<Box<str>, SigningEntry>,
-    apps: FastMap<Box<str>, AppEntry>,
+    /// Shared with the states derived from this one by [`CredentialStore::with_changes`].
+    signing: Arc<FastMap<Box<str>, SigningEntry>>,
+    apps: Arc<FastMap<Box<str>, AppEntry>>,
     /// Revocations.
     pub deny: DenyList,
     /// Token limits.
     pub jwt: JwtLimits,
     /// The `aud` values accepted.
     pub audiences: Vec<Box<str>>,
+}
+
+/// Indexes one key record (`i` names it in errors); `last_scopes` carries the previous
+/// record's scope set, which most records share.
+fn key_entry(
+    i: usize,
+    k: &ApiKey,
+    names: &mut Interner,
+    last_scopes: &mut (Vec<String>, Bytes),
+) -> Result<([u8; 32], KeyEntry), String> {
+    let at = || format!("keys[{i}] (id {:?})", k.id);
+    let mut hash = [0u8; 32];
+    hex::decode_to_slice(&k.sha256, &mut hash).map_err(|_| format!("{}: sha256 must be 64 hex digits", at()))?;
+    // Keys share few scope sets: join only when the set differs from the last one.
+    if k.scopes != last_scopes.0 {
+        let joined = k.scopes.join(" ");
+        let value = if joined.is_empty() {
+            Bytes::new()
+        } else {
+            names.get(&joined, "scopes").map_err(|e| format!("{}: {e}", at()))?
+        };
+        *last_scopes = (k.scopes.clone(), value);
+    }
+    let identity = Identity {
+        kind: CredentialKind::ApiKey,
+        subject: None,
+        client_id: Some(names.get(&k.app, "app").map_err(|e| format!("{}: {e}", at()))?),
+        tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| format!("{}: {e}", at()))?),
+        key_id: Some(header_value(&k.id, "id").map_err(|e| format!("{}: {e}", at()))?),
+        plan: Some(names.get(&k.plan, "plan").map_err(|e| format!("{}: {e}", at()))?),
+        scopes: last_scopes.1.clone(),
+    };
+    let entry = KeyEntry {
+        identity: Arc::new(identity),
+        active: k.status == KeyStatus::Active,
+        expires_at: k.expires_at.unwrap_or(u64::MAX),
+    };
+    Ok((hash, entry))
+}
+
+impl DenyList {
+    /// Adds entry `i`, unless every token it covers has already expired at `now`.
+    fn add(&mut self, i: usize, d: &DenyEntry, lifetime: u64, now: u64) -> Result<(), String> {
+        let at = format!("deny[{i}]");
+        match (&d.jti, &d.sub, &d.client_id) {
+            (Some(jti), None, None) => {
+                let exp = d.expires_at.unwrap_or(now.saturating_add(lifetime));
+                if exp >= now {
+                    let e = self.jti.entry(Box::from(jti.as_str())).or_insert(0);
+                    *e = (*e).max(exp);
+                }
+            }
+            (None, Some(who), None) | (None, None, Some(who)) => {
+                let before = d.issued_before.ok_or_else(|| format!("{at}: issued_before is required"))?;
+                let exp = d.expires_at.unwrap_or(before.saturating_add(lifetime));
+                if exp >= now {
+                    let map = if d.sub.is_some() { &mut self.sub } else { &mut self.client };
+                    let e = map.entry(Box::from(who.as_str())).or_insert(Before { issued_before: 0, expires_at: 0 });
+                    e.issued_before = e.issued_before.max(before);
+                    e.expires_at = e.expires_at.max(exp);
+                }
+            }
+            _ => return Err(format!("{at}: set exactly one of jti, sub or client_id")),
+        }
+        Ok(())
+    }
 }
 
 /// Header values shared by many keys and apps (a tenant, a plan, a scope set) are made
@@ -163,12 +230,45 @@ impl CredentialStore {
         CredentialStore {
             version: 0,
             keys: FastMap::default(),
-            signing: FastMap::default(),
-            apps: FastMap::default(),
+            signing: Arc::default(),
+            apps: Arc::default(),
             deny: DenyList::default(),
             jwt: JwtLimits { leeway: 30, max_token_bytes: 4096, max_lifetime: 3600 },
             audiences: Vec::new(),
         }
+    }
+
+    /// This state with key records added or replaced (matched by hash) and deny entries
+    /// added, as version `version`: the fast lane's change to a large table costs a copy
+    /// of the key index, not a rebuild. Signing keys, apps and JWT settings are shared.
+    pub fn with_changes(
+        &self,
+        version: u64,
+        keys: &[ApiKey],
+        deny: &[DenyEntry],
+        now: u64,
+    ) -> Result<CredentialStore, String> {
+        let mut names = Interner::default();
+        let mut last_scopes: (Vec<String>, Bytes) = (Vec::new(), Bytes::new());
+        let mut index = self.keys.clone();
+        for (i, k) in keys.iter().enumerate() {
+            let (hash, entry) = key_entry(i, k, &mut names, &mut last_scopes)?;
+            index.insert(hash, entry);
+        }
+        let mut list = self.deny.clone();
+        let lifetime = self.jwt.max_lifetime.saturating_add(self.jwt.leeway);
+        for (i, d) in deny.iter().enumerate() {
+            list.add(i, d, lifetime, now)?;
+        }
+        Ok(CredentialStore {
+            version,
+            keys: index,
+            signing: self.signing.clone(),
+            apps: self.apps.clone(),
+            deny: list,
+            jwt: self.jwt.clone(),
+            audiences: self.audiences.clone(),
+        })
     }
 
     /// Indexes `creds`; refuses the whole state if any entry is invalid, naming it.
@@ -225,71 +325,23 @@ impl CredentialStore {
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());
         let mut last_scopes: (Vec<String>, Bytes) = (Vec::new(), Bytes::new());
         for (i, k) in creds.keys.iter().enumerate() {
-            let at = || format!("keys[{i}] (id {:?})", k.id);
-            let mut hash = [0u8; 32];
-            hex::decode_to_slice(&k.sha256, &mut hash)
-                .map_err(|_| format!("{}: sha256 must be 64 hex digits", at()))?;
-            // Keys share few scope sets: join only when the set differs from the last one.
-            if k.scopes != last_scopes.0 {
-                let joined = k.scopes.join(" ");
-                let value = if joined.is_empty() {
-                    Bytes::new()
-                } else {
-                    names.get(&joined, "scopes").map_err(|e| format!("{}: {e}", at()))?
-                };
-                last_scopes = (k.scopes.clone(), value);
-            }
-            let identity = Identity {
-                kind: CredentialKind::ApiKey,
-                subject: None,
-                client_id: Some(names.get(&k.app, "app").map_err(|e| format!("{}: {e}", at()))?),
-                tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| format!("{}: {e}", at()))?),
-                key_id: Some(header_value(&k.id, "id").map_err(|e| format!("{}: {e}", at()))?),
-                plan: Some(names.get(&k.plan, "plan").map_err(|e| format!("{}: {e}", at()))?),
-                scopes: last_scopes.1.clone(),
-            };
-            let entry = KeyEntry {
-                identity: Arc::new(identity),
-                active: k.status == KeyStatus::Active,
-                expires_at: k.expires_at.unwrap_or(u64::MAX),
-            };
+            let (hash, entry) = key_entry(i, k, &mut names, &mut last_scopes)?;
             if keys.insert(hash, entry).is_some() {
-                return Err(format!("{}: the same key hash is listed twice", at()));
+                return Err(format!("keys[{i}] (id {:?}): the same key hash is listed twice", k.id));
             }
         }
 
         let mut deny = DenyList::default();
+        let lifetime = settings.max_lifetime_s.saturating_add(settings.leeway_s);
         for (i, d) in creds.deny.iter().enumerate() {
-            let at = format!("deny[{i}]");
-            let lifetime = settings.max_lifetime_s.saturating_add(settings.leeway_s);
-            match (&d.jti, &d.sub, &d.client_id) {
-                (Some(jti), None, None) => {
-                    let exp = d.expires_at.unwrap_or(now.saturating_add(lifetime));
-                    if exp >= now {
-                        let e = deny.jti.entry(Box::from(jti.as_str())).or_insert(0);
-                        *e = (*e).max(exp);
-                    }
-                }
-                (None, Some(who), None) | (None, None, Some(who)) => {
-                    let before = d.issued_before.ok_or_else(|| format!("{at}: issued_before is required"))?;
-                    let exp = d.expires_at.unwrap_or(before.saturating_add(lifetime));
-                    if exp >= now {
-                        let map = if d.sub.is_some() { &mut deny.sub } else { &mut deny.client };
-                        let e =
-                            map.entry(Box::from(who.as_str())).or_insert(Before { issued_before: 0, expires_at: 0 });
-                        e.issued_before = e.issued_before.max(before);
-                        e.expires_at = e.expires_at.max(exp);
-                    }
-                }
-                _ => return Err(format!("{at}: set exactly one of jti, sub or client_id")),
-            }
+            deny.add(i, d, lifetime, now)?;
         }
 
         Ok(CredentialStore {
             version,
             keys,
-            signing,
-            apps,
+            signing: Arc::new(signing),
+            apps: Arc::new(apps),
             deny,
             jwt: JwtLimits {
                 leeway: settings.leeway_s,
@@ -359,6 +411,48 @@ mod tests {
         // The user entry lasts for the longest token lifetime plus leeway past T.
         assert!(d.is_denied("x", "alice", "app", Some(now - 1), now + 3600 + 30));
         assert!(!d.is_denied("x", "alice", "app", Some(now - 1), now + 3600 + 31));
+    }
+
+    #[test]
+    fn changes_replace_keys_by_hash_and_add_deny_entries() {
+        let key = |id: &str, hash: &str, status| postern_model::credentials::ApiKey {
+            id: id.into(),
+            sha256: hash.repeat(32),
+            app: "a".into(),
+            tenant: "t".into(),
+            plan: "p".into(),
+            scopes: vec!["s".into()],
+            priority: Default::default(),
+            status,
+            successor: None,
+            expires_at: None,
+        };
+        let mut c = Credentials::empty();
+        c.keys = vec![key("k1", "ab", KeyStatus::Active)];
+        let base = CredentialStore::build(1, &c, 100).unwrap();
+        let next = base
+            .with_changes(
+                2,
+                &[key("k1", "ab", KeyStatus::Revoked), key("k2", "cd", KeyStatus::Active)],
+                &[DenyEntry { jti: Some("t1".into()), expires_at: Some(200), ..entry() }],
+                100,
+            )
+            .unwrap();
+        assert_eq!(next.version, 2);
+        assert_eq!(next.counts(), (2, 0, 0, 1));
+        let h = |x: &str| {
+            let mut b = [0u8; 32];
+            hex::decode_to_slice(x.repeat(32), &mut b).unwrap();
+            b
+        };
+        assert!(!next.key(&h("ab")).unwrap().active, "replaced by hash");
+        assert!(next.key(&h("cd")).unwrap().active);
+        assert!(next.deny.is_denied("t1", "x", "y", None, 150));
+        // The state it came from is untouched.
+        assert!(base.key(&h("ab")).unwrap().active);
+        assert_eq!(base.counts(), (1, 0, 0, 0));
+        let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], 100);
+        assert!(bad.unwrap_err().contains("keys[0] (id \"k3\")"));
     }
 
     #[test]

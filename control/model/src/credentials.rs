@@ -72,6 +72,13 @@ impl Credentials {
         }
     }
 
+    /// The version of a sealed credentials file, without parsing or hashing its content
+    /// (a scan for its end only), to skip a file the node already runs.
+    pub fn peek_version(bytes: &[u8]) -> Result<u64, SnapshotError> {
+        let file: EnvelopeRef<'_> = serde_json::from_slice(bytes)?;
+        Ok(file.version)
+    }
+
     /// Parses a sealed credentials file, checking its hash and schema.
     ///
     /// A table of a million keys is a couple of hundred megabytes: the envelope is read
@@ -242,4 +249,41 @@ pub struct DenyEntry {
     /// Defaults to `issued_before` plus the longest token lifetime.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<u64>,
+}
+
+/// A fast-lane change to the credential state: key records added or replaced (matched by
+/// hash) and deny entries added, from version `base` to `version`. A node running `base`
+/// applies it to its live state instead of loading the whole table; any other node, or a
+/// node that fails to, takes the whole version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialsDelta {
+    /// The version it applies to.
+    pub base: u64,
+    /// The version it makes.
+    pub version: u64,
+    /// Key records added or changed.
+    #[serde(default)]
+    pub keys: Vec<ApiKey>,
+    /// Deny entries added.
+    #[serde(default)]
+    pub deny: Vec<DenyEntry>,
+}
+
+/// A delta as sent and stored: `{"delta": {...}}`, told apart from a sealed envelope by
+/// its one field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeltaDoc {
+    /// The change.
+    pub delta: CredentialsDelta,
+}
+
+impl DeltaDoc {
+    /// The delta in `bytes`, if they hold one (`None`: a sealed envelope or garbage).
+    pub fn parse(bytes: &[u8]) -> Option<Result<DeltaDoc, serde_json::Error>> {
+        let head = bytes.iter().position(|b| !b.is_ascii_whitespace()).map_or(&[][..], |i| &bytes[i..]);
+        let is_delta = head.starts_with(b"{\"delta\"");
+        is_delta.then(|| serde_json::from_slice(bytes))
+    }
 }
