@@ -92,6 +92,10 @@ enum Command {
         /// Largest rise of a changed route's 5xx rate on the new version (0.02 = 2 points).
         #[arg(long, default_value_t = 0.02)]
         rollout_max_5xx_increase: f64,
+        /// A changed route's p99 on the new version may be 2× the old one's or this much
+        /// slower, whichever is more.
+        #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
+        rollout_p99_slack: std::time::Duration,
     },
     /// Compile the repository on the control plane and publish what changed.
     Publish {
@@ -649,12 +653,14 @@ fn main() -> ExitCode {
             canary_nodes,
             rollout_min_requests,
             rollout_max_5xx_increase,
+            rollout_p99_slack,
         } => {
             let rollout = posternctl::rollout::RolloutSettings {
                 dwell,
                 canary_nodes,
                 min_requests: rollout_min_requests,
                 max_5xx_increase: rollout_max_5xx_increase,
+                p99_slack: rollout_p99_slack,
                 ..Default::default()
             };
             report(serve(posternctl::serve::ServeSettings { repo, listen, tokens, rollout }, &store))
