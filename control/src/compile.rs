@@ -262,28 +262,15 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
     // Team files, in a stable order.
     let mut files: Vec<(String, PathBuf)> = Vec::new();
     let teams_dir = root.join("teams");
-    match std::fs::read_dir(&teams_dir) {
+    match team_dirs(&teams_dir) {
         Err(e) => cx.error(&teams_dir, "", format!("cannot read the teams directory: {e}"), None),
-        Ok(entries) => {
-            let mut teams: Vec<PathBuf> =
-                entries.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
-            teams.sort();
-            for dir in teams {
-                let team = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        Ok(teams) => {
+            for (team, dir) in teams {
                 if !valid_name(&team) {
                     cx.error(&dir, "", "team directory names are lowercase letters, digits and '-'", Some(&team));
                     continue;
                 }
-                let mut yaml: Vec<PathBuf> = std::fs::read_dir(&dir)
-                    .map(|rd| {
-                        rd.filter_map(|e| e.ok())
-                            .map(|e| e.path())
-                            .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                yaml.sort();
-                files.extend(yaml.into_iter().map(|p| (team.clone(), p)));
+                files.extend(yaml_files(&dir).into_iter().map(|p| (team.clone(), p)));
             }
         }
     }
@@ -374,6 +361,31 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
     } else {
         Err(Rejected(cx.diags))
     }
+}
+
+/// The team directories under `teams`, by name, in a stable order.
+fn team_dirs(teams: &Path) -> std::io::Result<Vec<(String, PathBuf)>> {
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(teams)?.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    dirs.sort();
+    Ok(dirs
+        .into_iter()
+        .map(|d| (d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(), d))
+        .collect())
+}
+
+/// The `.yaml`/`.yml` files directly in `dir` (none if it is absent), in a stable order.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
 }
 
 fn valid_host_port(s: &str) -> bool {
@@ -750,27 +762,8 @@ fn wasm_filter(
 /// Checks every `teams/<team>/samples/*.yaml`: each saved request must route where it
 /// says (a route, or 404/405).
 fn check_route_samples(cx: &mut Ctx, routers: &HashMap<Pool, postern_router::Router<usize>>, routes: &[Route]) {
-    let list = |dir: &Path, want_dirs: bool| -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .map(|e| e.path())
-                    .filter(|p| {
-                        if want_dirs {
-                            p.is_dir()
-                        } else {
-                            matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml"))
-                        }
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
-    };
-    for dir in list(&cx.root.join("teams"), true) {
-        let team = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        for file in list(&dir.join("samples"), false) {
+    for (team, dir) in team_dirs(&cx.root.join("teams")).unwrap_or_default() {
+        for file in yaml_files(&dir.join("samples")) {
             let Some(doc) = cx.load::<crate::config::SamplesDoc>(&file, Some(&team)) else { continue };
             for (i, sample) in doc.samples.iter().enumerate() {
                 let field = format!("samples[{i}]");
@@ -798,11 +791,10 @@ fn route_sample(
         let value = http::HeaderValue::from_str(v).map_err(|_| format!("header {k}: {v:?} is not a header value"))?;
         headers.insert(name, value);
     }
-    let host = r.host.as_deref().unwrap_or("sample.invalid").to_ascii_lowercase();
-    let host = host.rsplit_once(':').filter(|(_, p)| p.parse::<u16>().is_ok()).map_or(host.as_str(), |(h, _)| h);
+    let host = postern_router::strip_port(r.host.as_deref().unwrap_or("sample.invalid")).to_ascii_lowercase();
     let path = r.path.split_once('?').map_or(r.path.as_str(), |(p, _)| p);
     let pool = r.pool.unwrap_or(Pool::Public);
-    let got = match routers.get(&pool).map(|router| router.find(host, &method, path, &headers)) {
+    let got = match routers.get(&pool).map(|router| router.find(&host, &method, path, &headers)) {
         Some(postern_router::Match::Found(i)) => Ok(routes.get(*i).map(|r| r.id.clone()).unwrap_or_default()),
         Some(postern_router::Match::MethodNotAllowed(_)) => Err(405u16),
         Some(postern_router::Match::NotFound) | None => Err(404u16),

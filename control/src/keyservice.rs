@@ -12,13 +12,13 @@ use postern_builtin_filters::auth::apikey::KeyEnv;
 use postern_builtin_filters::auth::unix_now;
 use postern_model::Plan;
 use postern_model::credentials::Credentials;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::credentials::{DENY_FILE, KEYS_FILE, compile_credentials};
 use crate::keys;
 
 /// `POST /v1/keys`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CreateBody {
     /// Key id (not secret).
@@ -32,16 +32,16 @@ pub struct CreateBody {
     /// Granted scopes.
     #[serde(default)]
     pub scopes: Vec<String>,
-    /// Priority class (default `standard`).
+    /// Priority class.
     #[serde(default)]
-    pub priority: Option<String>,
+    pub priority: postern_model::credentials::Priority,
     /// An `ak_test_` key.
     #[serde(default)]
     pub test: bool,
 }
 
 /// `POST /v1/keys/<id>/rotate`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RotateBody {
     /// The new key's id.
@@ -55,7 +55,7 @@ pub struct RotateBody {
 }
 
 /// `POST /v1/keys/revoke`: exactly one of the two.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RevokeBody {
     /// The key's id.
@@ -67,7 +67,7 @@ pub struct RevokeBody {
 }
 
 /// `POST /v1/deny`: exactly one of the three.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DenyBody {
     /// One token.
@@ -153,7 +153,8 @@ pub struct Applied {
 /// any error the files are left as they were.
 pub fn apply(repo: &Path, plans: &BTreeMap<String, Plan>, op: Op) -> Result<Applied, Vec<String>> {
     let saved = Saved::take(repo);
-    let ids: Vec<String> = match &op {
+    // The records the change touched: the rotated key here, the answer's key below.
+    let mut ids: Vec<String> = match &op {
         Op::Rotate(id, b) => vec![id.clone(), b.new_id.clone()],
         _ => Vec::new(),
     };
@@ -166,7 +167,6 @@ pub fn apply(repo: &Path, plans: &BTreeMap<String, Plan>, op: Op) -> Result<Appl
             return Err(e);
         }
     };
-    let mut ids = ids;
     if let Some(id) = answer["id"].as_str() {
         ids.push(id.to_owned());
     }
@@ -183,15 +183,13 @@ fn change(repo: &Path, op: Op) -> anyhow::Result<serde_json::Value> {
     let now = unix_now();
     Ok(match op {
         Op::Create(b) => {
-            let priority =
-                keys::parse_priority(b.priority.as_deref().unwrap_or("standard")).map_err(anyhow::Error::msg)?;
             let spec = keys::NewKey {
                 id: b.id.clone(),
                 app: b.app,
                 tenant: b.tenant,
                 plan: b.plan,
                 scopes: b.scopes,
-                priority,
+                priority: b.priority,
                 env: env(b.test),
             };
             let raw = keys::new_key(repo, &spec)?;
@@ -248,7 +246,7 @@ mod tests {
             tenant: "acme".into(),
             plan: plan.into(),
             scopes: vec![],
-            priority: None,
+            priority: Default::default(),
             test: false,
         })
     }

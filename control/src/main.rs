@@ -5,15 +5,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-
-/// mimalloc, as in the node: compiling a large key table makes many small allocations.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use postern_builtin_filters::auth::apikey::KeyEnv;
 use postern_builtin_filters::auth::unix_now;
 use postern_model::credentials::{Alg, Credentials, Priority};
 use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
 use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
+
+/// mimalloc, as in the node: compiling a large key table makes many small allocations.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(name = "posternctl", version, about = "Postern control plane")]
@@ -144,8 +144,9 @@ struct Remote {
 
 impl Remote {
     /// POSTs `body` to `path`; returns the answer, or the control plane's errors.
-    fn post(&self, path: &str, body: serde_json::Value) -> anyhow::Result<Option<serde_json::Value>> {
+    fn post(&self, path: &str, body: &impl serde::Serialize) -> anyhow::Result<Option<serde_json::Value>> {
         let Some(base) = &self.control else { return Ok(None) };
+        let body = serde_json::to_value(body)?;
         let token =
             self.token.as_deref().ok_or_else(|| anyhow::anyhow!("--control needs --token (or POSTERN_TOKEN)"))?;
         let url = format!("{}{path}", base.trim_end_matches('/'));
@@ -473,11 +474,16 @@ fn validate(repo: &Path) -> ExitCode {
 fn key(command: KeyCommand) -> anyhow::Result<()> {
     match command {
         KeyCommand::New { repo, remote, id, app, tenant, plan, scopes, priority, test } => {
-            let body = serde_json::json!({
-                "id": id, "app": app, "tenant": tenant, "plan": plan, "scopes": scopes,
-                "priority": priority_name(priority), "test": test,
-            });
-            if let Some(v) = remote.post("/v1/keys", body)? {
+            let body = posternctl::keyservice::CreateBody {
+                id: id.clone(),
+                app: app.clone(),
+                tenant: tenant.clone(),
+                plan: plan.clone(),
+                scopes: scopes.clone(),
+                priority,
+                test,
+            };
+            if let Some(v) = remote.post("/v1/keys", &body)? {
                 println!("{}", v["key"].as_str().unwrap_or_default());
                 report_acks(&v);
                 eprintln!("key {id:?} created. The raw key above is shown only this once; only its hash is kept.");
@@ -496,10 +502,12 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
             );
         }
         KeyCommand::Rotate { repo, remote, id, new_id, overlap, test } => {
-            let body = serde_json::json!({
-                "new_id": new_id, "overlap": format!("{}s", overlap.as_secs()), "test": test,
-            });
-            if let Some(v) = remote.post(&format!("/v1/keys/{id}/rotate"), body)? {
+            let body = posternctl::keyservice::RotateBody {
+                new_id: new_id.clone(),
+                overlap: Some(format!("{}s", overlap.as_secs())),
+                test,
+            };
+            if let Some(v) = remote.post(&format!("/v1/keys/{id}/rotate"), &body)? {
                 println!("{}", v["key"].as_str().unwrap_or_default());
                 report_acks(&v);
                 eprintln!("key {new_id:?} replaces {id:?}. The raw key above is shown only this once.");
@@ -530,10 +538,12 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 (None, None) => anyhow::bail!("give --id or --key"),
             };
             let body = match by {
-                keys::RevokeBy::Id(id) => serde_json::json!({"id": id}),
-                keys::RevokeBy::RawKey(k) => serde_json::json!({"key": k.trim()}),
+                keys::RevokeBy::Id(id) => posternctl::keyservice::RevokeBody { id: Some(id.to_owned()), key: None },
+                keys::RevokeBy::RawKey(k) => {
+                    posternctl::keyservice::RevokeBody { id: None, key: Some(k.trim().to_owned()) }
+                }
             };
-            if let Some(v) = remote.post("/v1/keys/revoke", body)? {
+            if let Some(v) = remote.post("/v1/keys/revoke", &body)? {
                 println!("revoked key {}", v["id"]);
                 report_acks(&v);
                 return Ok(());
@@ -583,20 +593,15 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
             println!("{}", keys::mint(&pem, &req)?);
         }
         TokenCommand::Revoke { repo, remote, which } => {
-            let body = serde_json::json!({"jti": which.jti, "sub": which.sub, "client_id": which.client_id});
-            let op = posternctl::keyservice::Op::Deny(posternctl::keyservice::DenyBody {
-                jti: which.jti,
-                sub: which.sub,
-                client_id: which.client_id,
-            });
-            if let Some(v) = remote.post("/v1/deny", body)? {
+            let body = posternctl::keyservice::DenyBody { jti: which.jti, sub: which.sub, client_id: which.client_id };
+            if let Some(v) = remote.post("/v1/deny", &body)? {
                 println!("{}", v["deny"]);
                 report_acks(&v);
                 return Ok(());
             }
             let repo = repo.unwrap_or_default();
             let plans = posternctl::compile::compile(&repo).map_err(|e| anyhow::anyhow!("{e}"))?.snapshot.plans;
-            let v = posternctl::keyservice::apply(&repo, &plans, op)
+            let v = posternctl::keyservice::apply(&repo, &plans, posternctl::keyservice::Op::Deny(body))
                 .map_err(|e| anyhow::anyhow!("refused:\n  {}", e.join("\n  ")))?
                 .answer;
             println!("{}", v["deny"]);
@@ -607,15 +612,6 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn priority_name(p: Priority) -> &'static str {
-    match p {
-        Priority::Critical => "critical",
-        Priority::Standard => "standard",
-        Priority::Free => "free",
-        Priority::Sheddable => "sheddable",
-    }
 }
 
 fn report(result: anyhow::Result<()>) -> ExitCode {

@@ -274,32 +274,17 @@ impl Server {
                 }
             }
             (Method::POST, ["v1", "keys"]) if role == "platform" => {
-                let wait = self.ack_wait(param("wait_acks"));
-                match read_json(req).await {
-                    Ok(body) => self.key_op(&who.name, Op::Create(body), wait).await,
-                    Err(e) => e,
-                }
+                self.key_request(&who.name, req, param("wait_acks"), Op::Create).await
             }
             (Method::POST, ["v1", "keys", "revoke"]) if role == "platform" => {
-                let wait = self.ack_wait(param("wait_acks"));
-                match read_json(req).await {
-                    Ok(body) => self.key_op(&who.name, Op::Revoke(body), wait).await,
-                    Err(e) => e,
-                }
+                self.key_request(&who.name, req, param("wait_acks"), Op::Revoke).await
             }
             (Method::POST, ["v1", "keys", id, "rotate"]) if role == "platform" => {
-                let (id, wait) = ((*id).to_owned(), self.ack_wait(param("wait_acks")));
-                match read_json(req).await {
-                    Ok(body) => self.key_op(&who.name, Op::Rotate(id, body), wait).await,
-                    Err(e) => e,
-                }
+                let id = (*id).to_owned();
+                self.key_request(&who.name, req, param("wait_acks"), |b| Op::Rotate(id, b)).await
             }
             (Method::POST, ["v1", "deny"]) if role == "platform" => {
-                let wait = self.ack_wait(param("wait_acks"));
-                match read_json(req).await {
-                    Ok(body) => self.key_op(&who.name, Op::Deny(body), wait).await,
-                    Err(e) => e,
-                }
+                self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
             }
             (Method::GET, ["v1", "status"]) if role != "node" => self.status().await,
             (Method::GET, ["v1", "audit"]) if role != "node" => match self.store.audit().await {
@@ -605,7 +590,7 @@ impl Server {
         let _one = self.publishing.lock().await;
         let repo = self.repo.clone();
         let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
-        let (snapshot, credentials, modules) = match compiled {
+        let Compiled { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
             Ok(Ok(c)) => c,
             Ok(Err(errors)) => {
                 return json(
@@ -619,10 +604,11 @@ impl Server {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
-        let old_content = previous.as_ref().and_then(|v| postern_model::SnapshotFile::open_envelope(&v.bytes).ok());
-        let snapshot_changes = old_content.as_ref().is_none_or(|f| f.content.get() != snapshot.get());
+        // The published snapshot, parsed once for the team check and the rollout.
+        let old = previous.as_ref().and_then(|v| postern_model::SnapshotFile::open(&v.bytes).ok());
+        let snapshot_changes = old.as_ref().is_none_or(|(f, _)| f.content.get() != snapshot.get());
         if let Some(team) = team {
-            let foreign = self.foreign_changes(team, old_content.as_ref(), &snapshot, &credentials).await;
+            let foreign = self.foreign_changes(team, old.as_ref().map(|(_, s)| s), &new, &credentials).await;
             if !foreign.is_empty() {
                 return json(
                     StatusCode::FORBIDDEN,
@@ -663,13 +649,11 @@ impl Server {
         let mut rollout = serde_json::Value::Null;
         if s.1
             && !self.rollout_settings.dwell.is_zero()
-            && let (Some(from), Some(old)) = (&previous, &old_content)
+            && let (Some(from), Some((_, old))) = (&previous, &old)
         {
             let nodes = self.node_views();
-            let old: Result<postern_model::Snapshot, _> = serde_json::from_str(old.content.get());
-            let new: Result<postern_model::Snapshot, _> = serde_json::from_str(snapshot.get());
-            if let (Ok(old), Ok(new), false) = (old, new, nodes.is_empty()) {
-                let routes = crate::plan::changed_routes(&old, &new);
+            if !nodes.is_empty() {
+                let routes = crate::plan::changed_routes(old, &new);
                 let r = Rollout::start(from.number, s.0.number, who, routes, &nodes, &self.rollout_settings);
                 rollout = r.describe();
                 if let Ok(mut slot) = self.rollout.lock() {
@@ -698,25 +682,18 @@ impl Server {
     async fn foreign_changes(
         &self,
         team: &str,
-        old: Option<&postern_model::SnapshotFile>,
-        snapshot: &serde_json::value::RawValue,
+        old: Option<&postern_model::Snapshot>,
+        new: &postern_model::Snapshot,
         credentials: &serde_json::value::RawValue,
     ) -> Vec<String> {
         let Some(old) = old else { return vec!["the first version is published by the platform".to_owned()] };
-        let parsed: Result<(postern_model::Snapshot, postern_model::Snapshot), _> =
-            serde_json::from_str(old.content.get()).and_then(|o| Ok((o, serde_json::from_str(snapshot.get())?)));
         let mut out = Vec::new();
-        match parsed {
-            Ok((o, n)) => {
-                for (owner, changes) in crate::plan::plan(&o, &n) {
-                    if owner != team {
-                        for (change, id) in changes {
-                            out.push(format!("{} {id} belongs to {owner}", format!("{change:?}").to_lowercase()));
-                        }
-                    }
+        for (owner, changes) in crate::plan::plan(old, new) {
+            if owner != team {
+                for (change, id) in changes {
+                    out.push(format!("{} {id} belongs to {owner}", format!("{change:?}").to_lowercase()));
                 }
             }
-            Err(e) => out.push(format!("cannot compare with the published snapshot: {e}")),
         }
         let creds_head = self.store.head(Kind::Credentials).await.ok().flatten();
         let same_creds = creds_head
@@ -728,9 +705,20 @@ impl Server {
         out
     }
 
-    /// How long a fast-lane change waits for ACKs: `?wait_acks=S`, 5 s by default.
-    fn ack_wait(&self, param: Option<String>) -> Duration {
-        Duration::from_secs(param.and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S))
+    /// A key-service request: its JSON body made into `op`, waiting for ACKs up to
+    /// `?wait_acks=S` (5 s by default).
+    async fn key_request<T: serde::de::DeserializeOwned>(
+        &self,
+        who: &str,
+        req: Request<Incoming>,
+        wait_acks: Option<String>,
+        op: impl FnOnce(T) -> Op,
+    ) -> Response<Body> {
+        let wait = Duration::from_secs(wait_acks.and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S));
+        match read_json(req).await {
+            Ok(body) => self.key_op(who, op(body), wait).await,
+            Err(e) => e,
+        }
     }
 
     /// A key service change: applied to the repository's credential files, compiled
@@ -816,10 +804,6 @@ impl Server {
 
     async fn rollback(&self, who: &str, to: u64) -> Response<Body> {
         let _one = self.publishing.lock().await;
-        // A rollback reaches every node at once: it ends any rollout.
-        if let Some(r) = self.take_rollout() {
-            self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "rolled_back", "by": who}));
-        }
         let old = match self.store.get(Kind::Snapshot, to).await {
             Ok(Some(v)) => v,
             Ok(None) => return error(StatusCode::NOT_FOUND, format!("no snapshot v{to}")),
@@ -829,6 +813,10 @@ impl Server {
             Ok(f) => f.content,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
+        // A rollback reaches every node at once: it ends any rollout.
+        if let Some(r) = self.take_rollout() {
+            self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "rolled_back", "by": who}));
+        }
         let note = format!("contents of v{to}");
         let change = Change { kind: Kind::Snapshot, content: &content, who, action: "rollback", note: &note };
         match self.store.publish(&change).await {
@@ -889,7 +877,17 @@ async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Re
     serde_json::from_slice(&body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
 
-type Compiled = (Box<serde_json::value::RawValue>, Box<serde_json::value::RawValue>, Vec<(String, Vec<u8>)>);
+/// A compiled repository ready to publish.
+struct Compiled {
+    /// The snapshot, as compiled.
+    snapshot: postern_model::Snapshot,
+    /// The same, serialised: what is published.
+    snapshot_json: Box<serde_json::value::RawValue>,
+    /// The credential state, serialised.
+    credentials: Box<serde_json::value::RawValue>,
+    /// Modules by hex digest.
+    modules: Vec<(String, Vec<u8>)>,
+}
 
 /// Compiles the repository's snapshot and credential state, with the modules it names.
 fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
@@ -901,9 +899,9 @@ fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
         let bytes = std::fs::read(src).map_err(|e| vec![format!("{}: {e}", src.display())])?;
         modules.push((digest.trim_start_matches("sha256:").to_owned(), bytes));
     }
-    let snapshot = serde_json::value::to_raw_value(&compiled.snapshot).map_err(|e| vec![e.to_string()])?;
-    let creds = serde_json::value::to_raw_value(&creds).map_err(|e| vec![e.to_string()])?;
-    Ok((snapshot, creds, modules))
+    let snapshot_json = serde_json::value::to_raw_value(&compiled.snapshot).map_err(|e| vec![e.to_string()])?;
+    let credentials = serde_json::value::to_raw_value(&creds).map_err(|e| vec![e.to_string()])?;
+    Ok(Compiled { snapshot: compiled.snapshot, snapshot_json, credentials, modules })
 }
 
 /// One request to a control plane, as the CLI makes it, with an optional JSON body.

@@ -22,6 +22,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use sha2::Digest as _;
 
+use postern_model::credentials::DeltaDoc;
 use postern_model::report::{Report, Watch};
 
 use crate::proxy::Gateway;
@@ -156,12 +157,20 @@ async fn run(lane: Lane, gw: Arc<Gateway>, builder: Arc<Builder>, settings: Arc<
             Ok(None) => backoff = Duration::from_millis(200),
             Ok(Some(bytes)) => {
                 backoff = Duration::from_millis(200);
-                let version = envelope_version(&bytes);
-                let outcome = apply(lane, &gw, &builder, &settings, &client, bytes.clone()).await;
-                let delta = postern_model::credentials::DeltaDoc::parse(&bytes).is_some();
+                // The credentials lane also carries deltas of the key service's changes.
+                let delta = match lane {
+                    Lane::Credentials => DeltaDoc::parse(&bytes),
+                    Lane::Snapshot => None,
+                };
+                let version = match &delta {
+                    Some(d) => d.as_ref().map_or(0, |d| d.delta.version),
+                    None => envelope_version(&bytes),
+                };
+                let is_delta = delta.is_some();
+                let outcome = apply(lane, &gw, &builder, &settings, &client, bytes, delta).await;
                 if let Err(why) = &outcome {
                     tracing::error!(lane = lane.as_str(), version, error = %why, "version refused; keeping the live one");
-                    if delta {
+                    if is_delta {
                         want_full = true;
                     } else {
                         refused = version;
@@ -193,13 +202,7 @@ fn envelope_version(bytes: &[u8]) -> u64 {
     struct V {
         version: u64,
     }
-    match postern_model::credentials::DeltaDoc::parse(bytes) {
-        Some(d) => d.map_or(0, |d| d.delta.version),
-        None => postern_model::credentials::Credentials::peek_version(bytes)
-            .ok()
-            .or_else(|| serde_json::from_slice::<V>(bytes).ok().map(|v| v.version))
-            .unwrap_or(0),
-    }
+    serde_json::from_slice::<V>(bytes).map_or(0, |v| v.version)
 }
 
 async fn apply(
@@ -209,6 +212,7 @@ async fn apply(
     settings: &ControlSettings,
     client: &Http,
     bytes: Bytes,
+    delta: Option<Result<DeltaDoc, serde_json::Error>>,
 ) -> Result<(), String> {
     match lane {
         Lane::Snapshot => {
@@ -219,7 +223,7 @@ async fn apply(
                 .map_err(|e| e.to_string())??;
             write_atomic(&settings.snapshot, &bytes)
         }
-        Lane::Credentials => match postern_model::credentials::DeltaDoc::parse(&bytes) {
+        Lane::Credentials => match delta {
             Some(doc) => {
                 let doc = doc.map_err(|e| format!("malformed delta: {e}"))?;
                 let gw2 = gw.clone();

@@ -105,23 +105,13 @@ fn request_host(parts: &http::request::Parts) -> Option<Cow<'_, str>> {
         Some(a) => a.host(),
         None => {
             let h = parts.headers.get(HOST)?.to_str().ok()?;
-            strip_port(h)
+            postern_router::strip_port(h)
         }
     };
     if raw.bytes().any(|b| b.is_ascii_uppercase()) {
         Some(Cow::Owned(raw.to_ascii_lowercase()))
     } else {
         Some(Cow::Borrowed(raw))
-    }
-}
-
-fn strip_port(h: &str) -> &str {
-    if h.starts_with('[') {
-        return h.find(']').map_or(h, |i| &h[..=i]);
-    }
-    match h.rsplit_once(':') {
-        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
-        _ => h,
     }
 }
 
@@ -395,13 +385,6 @@ mod tests {
         for p in ["/a/b", "/a/.well-known", "/a/...", "/a/b.c", "/"] {
             assert!(!has_dot_segment(p), "{p}");
         }
-    }
-
-    #[test]
-    fn ports_are_stripped() {
-        assert_eq!(strip_port("api.example.com:8080"), "api.example.com");
-        assert_eq!(strip_port("api.example.com"), "api.example.com");
-        assert_eq!(strip_port("[::1]:8080"), "[::1]");
     }
 
     #[test]

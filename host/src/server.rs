@@ -297,18 +297,15 @@ pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), String> {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
         Err(why)
     };
+    let current = gw.auth.credentials.load();
     // The file the node itself just wrote (or any file of the live version) is not parsed
     // again: for a large key table that is most of a change's cost.
-    if postern_model::credentials::Credentials::peek_version(bytes)
-        .is_ok_and(|v| v == gw.auth.credentials.load().version && v != 0)
-    {
-        return Ok(());
-    }
-    let (file, creds) = match postern_model::credentials::Credentials::open(bytes) {
-        Ok(x) => x,
+    let opened = postern_model::credentials::Credentials::open_if(bytes, |v| v == 0 || v != current.version);
+    let (file, creds) = match opened {
+        Ok(Some(x)) => x,
+        Ok(None) => return Ok(()),
         Err(e) => return refuse(e.to_string()),
     };
-    let current = gw.auth.credentials.load();
     if file.version <= current.version {
         if file.version < current.version {
             return refuse(format!("version {} is older than the live {}", file.version, current.version));

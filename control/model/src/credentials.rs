@@ -72,20 +72,30 @@ impl Credentials {
         }
     }
 
-    /// The version of a sealed credentials file, without parsing or hashing its content
-    /// (a scan for its end only), to skip a file the node already runs.
-    pub fn peek_version(bytes: &[u8]) -> Result<u64, SnapshotError> {
-        let file: EnvelopeRef<'_> = serde_json::from_slice(bytes)?;
-        Ok(file.version)
+    /// Parses a sealed credentials file, checking its hash and schema.
+    pub fn open(bytes: &[u8]) -> Result<(Sealed, Credentials), SnapshotError> {
+        Self::open_envelope(serde_json::from_slice(bytes)?)
     }
 
-    /// Parses a sealed credentials file, checking its hash and schema.
+    /// As [`Credentials::open`], but only if `wanted` says yes to the file's version:
+    /// otherwise `None`, without hashing or parsing the content (a node skips the file it
+    /// just wrote itself).
     ///
     /// A table of a million keys is a couple of hundred megabytes: the envelope is read
     /// without copying its content, and the content is hashed on a second thread while
     /// it is parsed on this one.
-    pub fn open(bytes: &[u8]) -> Result<(Sealed, Credentials), SnapshotError> {
+    pub fn open_if(
+        bytes: &[u8],
+        wanted: impl FnOnce(u64) -> bool,
+    ) -> Result<Option<(Sealed, Credentials)>, SnapshotError> {
         let file: EnvelopeRef<'_> = serde_json::from_slice(bytes)?;
+        if !wanted(file.version) {
+            return Ok(None);
+        }
+        Self::open_envelope(file).map(Some)
+    }
+
+    fn open_envelope(file: EnvelopeRef<'_>) -> Result<(Sealed, Credentials), SnapshotError> {
         let content = file.content.get();
         let (actual, creds) = std::thread::scope(|s| {
             let hashing = s.spawn(|| content_hash(content.as_bytes()));

@@ -599,9 +599,29 @@ impl<T> Router<T> {
     }
 }
 
+/// A `Host` value without its port (`[::1]:8080` keeps its brackets): with lowercase,
+/// the form [`Router::find`] takes.
+#[inline]
+pub fn strip_port(h: &str) -> &str {
+    if h.starts_with('[') {
+        return h.find(']').map_or(h, |i| &h[..=i]);
+    }
+    match h.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => h,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ports_are_stripped() {
+        assert_eq!(strip_port("api.example.com:8080"), "api.example.com");
+        assert_eq!(strip_port("api.example.com"), "api.example.com");
+        assert_eq!(strip_port("[::1]:8080"), "[::1]");
+    }
 
     fn spec<'a>(hosts: &'a [String], methods: &'a [String], path: &'a str, kind: PathKind) -> RouteSpec<'a> {
         RouteSpec { hosts, methods, path, kind, version: None }
