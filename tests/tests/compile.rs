@@ -1,8 +1,11 @@
 //! `posternctl compile` on a broken repository: non-zero exit, every error named by file,
-//! field and owner, and the previous snapshot left untouched.
+//! field and owner, and the previous snapshot left untouched. Filter sample cases run at
+//! compile time here, apart from the hostile-filter tests, whose deadlines they would
+//! compete with for the CPU.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
-use postern_e2e::{Repo, platform};
+use postern_e2e::wasm_fixture::route;
+use postern_e2e::{Repo, add_filter, filter_wasm, platform};
 
 #[test]
 fn compile_errors_name_file_field_and_owner() {
@@ -67,4 +70,59 @@ fn the_example_config_compiles() {
     let teams: std::collections::BTreeSet<&str> = routes.iter().filter_map(|r| r["team"].as_str()).collect();
     assert!(routes.len() >= 8 && teams.len() >= 3, "{} routes, teams {teams:?}", routes.len());
     assert!(routes.iter().any(|r| r["path"] == "/v1/echo" && r["pool"] == "public"));
+}
+
+#[test]
+fn a_filter_failing_its_own_sample_cases_is_refused_at_compile() {
+    let repo = Repo::new();
+    platform(&repo, &[("e", "127.0.0.1:9")]);
+    add_filter(&repo, "t", "hmac-verifier", &filter_wasm("hmac-verifier"), "{}");
+    add_filter(&repo, "t", "header-injector", &filter_wasm("header-injector"), "{}");
+    repo.write(
+        "teams/t/routes.yaml",
+        &format!(
+            "routes:\n{}{}",
+            route("hook", "/hook", "hmac-verifier", ", config: { secret: s }"),
+            route("tagged", "/tagged", "header-injector", "")
+        ),
+    );
+    // Samples that hold: an unsigned webhook is refused, the injector sets its header.
+    let manifest = |name: &str, samples: &str| {
+        repo.write(&format!("teams/t/filters/{name}.yaml"), &format!("module: {name}.wasm\nsamples:\n{samples}"));
+    };
+    manifest(
+        "hmac-verifier",
+        "  - name: unsigned webhook\n    config: { secret: s }\n    request: { method: POST, path: /hook }\n    expect: { decision: respond, status: 401 }\n",
+    );
+    manifest(
+        "header-injector",
+        "  - name: sets the team\n    config: { set: { x-team: payments } }\n    request: { path: /tagged }\n    expect: { decision: continue, setHeaders: { x-team: payments } }\n",
+    );
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+
+    // Samples that no longer hold are refused, each named with its file and case.
+    manifest(
+        "hmac-verifier",
+        "  - name: unsigned webhook passes\n    config: { secret: s }\n    request: { method: POST, path: /hook }\n    expect: { decision: continue }\n",
+    );
+    manifest(
+        "header-injector",
+        "  - name: sets the team\n    config: { set: { x-team: billing } }\n    request: { path: /tagged }\n    expect: { decision: continue, setHeaders: { x-team: payments } }\n",
+    );
+    let out = repo.compile(&snap);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "teams/t/filters/hmac-verifier.yaml: samples[0]: \"unsigned webhook passes\": expected continue, got respond 401 (owner: t)"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains(
+            "teams/t/filters/header-injector.yaml: samples[0]: \"sets the team\": expected header x-team set to \"payments\", it was set to \"billing\" (owner: t)"
+        ),
+        "{err}"
+    );
 }
