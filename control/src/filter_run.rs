@@ -67,17 +67,15 @@ pub fn run_loaded(
     req: &RunRequest,
 ) -> anyhow::Result<serde_json::Value> {
     let (path, query) = match req.path.split_once('?') {
-        Some((p, q)) => (p.to_owned(), Some(q.to_owned())),
-        None => (req.path.clone(), None),
+        Some((p, q)) => (p, Some(q)),
+        None => (req.path.as_str(), None),
     };
-    let wit_req = types::Request {
-        method: req.method.clone(),
-        path,
-        query,
-        authority: Some("localhost".into()),
-        headers: req.headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec())).collect(),
-    };
-    let cx = types::Context { route_id: "local/run".into(), request_id: "0".repeat(32), identity: None };
+    let names: Vec<String> = req.headers.iter().map(|(k, _)| k.to_ascii_lowercase()).collect();
+    let headers: Vec<(&str, &[u8])> =
+        names.iter().zip(&req.headers).map(|(k, (_, v))| (k.as_str(), v.as_bytes())).collect();
+    let wit_req = types::Request { method: &req.method, path, query, authority: Some("localhost"), headers: &headers };
+    let request_id = "0".repeat(32);
+    let cx = types::Context { route_id: "local/run", request_id: &request_id, identity: None };
     let config: Arc<[u8]> = match config {
         serde_json::Value::Null => Arc::from(&b""[..]),
         v => Arc::from(serde_json::to_vec(v)?),

@@ -12,6 +12,10 @@ use postern_wasm::Binding;
 use postern_wasm::runtime::types;
 use postern_wasm::{FilterStats, Limits, Runtime, RuntimeConfig};
 
+// The gateway's allocator, so the figures are the gateway's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn module_path(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
@@ -20,18 +24,12 @@ fn module_path(name: &str) -> PathBuf {
     p
 }
 
-fn request(headers: Vec<(String, Vec<u8>)>) -> types::Request {
-    types::Request {
-        method: "GET".into(),
-        path: "/v1/orders/1".into(),
-        query: None,
-        authority: Some("api.example.com".into()),
-        headers,
-    }
+fn request<'a>(headers: &'a [(&'a str, &'a [u8])]) -> types::Request<'a> {
+    types::Request { method: "GET", path: "/v1/orders/1", query: None, authority: Some("api.example.com"), headers }
 }
 
-fn context() -> types::Context {
-    types::Context { route_id: "t/r".into(), request_id: "0123456789abcdef0123456789abcdef".into(), identity: None }
+fn context() -> types::Context<'static> {
+    types::Context { route_id: "t/r", request_id: "0123456789abcdef0123456789abcdef", identity: None }
 }
 
 fn bench(c: &mut Criterion) {
@@ -52,19 +50,30 @@ fn bench(c: &mut Criterion) {
         let trivial = bind("well_behaved", b"");
         let hmac = bind("hmac_verifier", br#"{"secret":"bench-secret"}"#);
         let suffix = if metering { "metered" } else { "unmetered" };
+        if metering {
+            let fstats = Arc::new(FilterStats::default());
+            fstats.fiber_until_ms.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            let fib = Binding { stats: fstats, ..bind("well_behaved", b"") };
+            c.bench_function("trivial_filter_fresh_instance_call_drop/fiber", |b| {
+                b.iter(|| {
+                    let call = rt.block_on(runtime.on_request(&fib, request(&[]), context()));
+                    assert!(call.result.is_ok());
+                    black_box(call.fuel)
+                })
+            });
+        }
 
         c.bench_function(&format!("trivial_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(&trivial, request(Vec::new()), context()));
-                assert!(call.result.is_ok());
+                let call = rt.block_on(runtime.on_request(&trivial, request(&[]), context()));
+                assert!(call.result.is_ok(), "{:?}", call.result);
                 black_box(call.fuel)
             })
         });
-        let signed =
-            vec![("x-timestamp".to_owned(), b"1767225600".to_vec()), ("x-signature".to_owned(), b"sha256=00".to_vec())];
+        let signed: [(&str, &[u8]); 2] = [("x-timestamp", b"1767225600"), ("x-signature", b"sha256=00")];
         c.bench_function(&format!("hmac_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(&hmac, request(signed.clone()), context()));
+                let call = rt.block_on(runtime.on_request(&hmac, request(&signed), context()));
                 assert!(call.result.is_ok());
                 black_box(call.fuel)
             })

@@ -165,37 +165,24 @@ impl WasmFilter {
         }
     }
 
-    fn context(cx: &Context) -> types::Context {
-        types::Context {
-            route_id: cx.route_id.to_string(),
-            request_id: cx.request_id.to_str().unwrap_or_default().to_owned(),
-            identity: cx.identity().map(|id| {
-                let text = |v: &Option<Bytes>| Identity::text(v).map(str::to_owned);
-                types::Identity {
-                    subject: text(&id.subject),
-                    client_id: text(&id.client_id),
-                    tenant: text(&id.tenant),
-                    key_id: text(&id.key_id),
-                    plan: text(&id.plan),
-                    scopes: id.scope_list().map(str::to_owned).collect(),
-                }
-            }),
-        }
+    /// The caller's scopes, for [`Self::context`].
+    fn scopes(cx: &Context) -> Vec<&str> {
+        cx.identity().map(|id| id.scope_list().collect()).unwrap_or_default()
     }
 
-    fn wit_request(req: &RequestHead) -> types::Request {
-        types::Request {
-            method: req.method.as_str().to_owned(),
-            path: req.uri.path().to_owned(),
-            query: req.uri.query().map(str::to_owned),
-            // The Host header first: by the body phase the URI already names the backend.
-            authority: req
-                .headers
-                .get(HOST)
-                .and_then(|h| h.to_str().ok())
-                .map(str::to_owned)
-                .or_else(|| req.uri.authority().map(|a| a.as_str().to_owned())),
-            headers: fields(&req.headers),
+    /// The WIT context of `cx`, borrowed from it.
+    fn context<'a>(cx: &'a Context, scopes: &'a [&'a str]) -> types::Context<'a> {
+        types::Context {
+            route_id: &cx.route_id,
+            request_id: cx.request_id.to_str().unwrap_or_default(),
+            identity: cx.identity().map(|id| types::Identity {
+                subject: Identity::text(&id.subject),
+                client_id: Identity::text(&id.client_id),
+                tenant: Identity::text(&id.tenant),
+                key_id: Identity::text(&id.key_id),
+                plan: Identity::text(&id.plan),
+                scopes,
+            }),
         }
     }
 
@@ -205,10 +192,26 @@ impl WasmFilter {
             self.binding.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
             return self.fail(Outcome::Quarantined);
         }
-        let wit_req = Self::wit_request(req);
-        let call = match body {
-            None => self.runtime.on_request(&self.binding, wit_req, Self::context(cx)).await,
-            Some(b) => self.runtime.on_request_body(&self.binding, wit_req, b, Self::context(cx)).await,
+        let call = {
+            let headers = fields(&req.headers);
+            let wit_req = types::Request {
+                method: req.method.as_str(),
+                path: req.uri.path(),
+                query: req.uri.query(),
+                // The Host header first: by the body phase the URI already names the backend.
+                authority: req
+                    .headers
+                    .get(HOST)
+                    .and_then(|h| h.to_str().ok())
+                    .or_else(|| req.uri.authority().map(|a| a.as_str())),
+                headers: &headers,
+            };
+            let scopes = Self::scopes(cx);
+            let wcx = Self::context(cx, &scopes);
+            match body {
+                None => self.runtime.on_request(&self.binding, wit_req, wcx).await,
+                Some(b) => self.runtime.on_request_body(&self.binding, wit_req, b, wcx).await,
+            }
         };
         let outcome = match call.result {
             Err(o) => Err(o),
@@ -239,14 +242,19 @@ impl WasmFilter {
         if self.quarantined() {
             return;
         }
-        let head = types::ResponseHead { status: resp.status.as_u16(), headers: fields(&resp.headers) };
-        let call = self.runtime.on_response(&self.binding, head, Self::context(cx)).await;
+        let call = {
+            let headers = fields(&resp.headers);
+            let head = types::ResponseHead { status: resp.status.as_u16(), headers: &headers };
+            let scopes = Self::scopes(cx);
+            self.runtime.on_response(&self.binding, head, Self::context(cx, &scopes)).await
+        };
         let result = call.result.and_then(|edits| {
             let limits = &self.attachment.limits;
             check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
-            let mut scratch = resp.headers.clone();
-            apply_headers(&mut scratch, &edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
-            resp.headers = scratch;
+            apply_headers(
+                &mut resp.headers,
+                header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?,
+            );
             Ok(())
         });
         match result {
@@ -260,8 +268,9 @@ impl WasmFilter {
     }
 }
 
-fn fields(h: &HeaderMap) -> Vec<(String, Vec<u8>)> {
-    h.iter().map(|(k, v)| (k.as_str().to_owned(), v.as_bytes().to_vec())).collect()
+/// Header fields as the guest receives them, borrowed from the map.
+fn fields(h: &HeaderMap) -> Vec<(&str, &[u8])> {
+    h.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect()
 }
 
 fn check_sizes(
@@ -296,52 +305,77 @@ fn reserved(name: &HeaderName) -> bool {
         )
 }
 
-fn apply_headers(
-    h: &mut HeaderMap,
+/// One header change a filter asked for, validated.
+enum Edit {
+    Remove(HeaderName),
+    Set(HeaderName, HeaderValue),
+    Append(HeaderName, HeaderValue),
+}
+
+/// Validates every header change (names, values, gateway-owned headers) before any is
+/// made, so a bad one leaves the message as it was: removals, then sets, then appends.
+fn header_edits(
     set: &[(String, Vec<u8>)],
     append: &[(String, Vec<u8>)],
     remove: &[String],
-) -> Result<(), Outcome> {
-    let parse = |k: &str, v: &[u8]| -> Result<(HeaderName, HeaderValue), Outcome> {
+) -> Result<Vec<Edit>, Outcome> {
+    let name = |k: &str| -> Result<HeaderName, Outcome> {
         let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
         if reserved(&n) {
             return Err(Outcome::BadOutput);
         }
-        Ok((n, HeaderValue::from_bytes(v).map_err(|_| Outcome::BadOutput)?))
+        Ok(n)
     };
+    let value = |v: &[u8]| HeaderValue::from_bytes(v).map_err(|_| Outcome::BadOutput);
+    let mut edits = Vec::with_capacity(set.len() + append.len() + remove.len());
     for k in remove {
-        let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
-        if reserved(&n) {
-            return Err(Outcome::BadOutput);
-        }
-        h.remove(n);
+        edits.push(Edit::Remove(name(k)?));
     }
     for (k, v) in set {
-        let (n, v) = parse(k, v)?;
-        h.insert(n, v);
+        edits.push(Edit::Set(name(k)?, value(v)?));
     }
     for (k, v) in append {
-        let (n, v) = parse(k, v)?;
-        h.append(n, v);
+        edits.push(Edit::Append(name(k)?, value(v)?));
     }
-    Ok(())
+    Ok(edits)
+}
+
+fn apply_headers(h: &mut HeaderMap, edits: Vec<Edit>) {
+    for e in edits {
+        match e {
+            Edit::Remove(n) => {
+                h.remove(n);
+            }
+            Edit::Set(n, v) => {
+                h.insert(n, v);
+            }
+            Edit::Append(n, v) => {
+                h.append(n, v);
+            }
+        }
+    }
 }
 
 fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits, limits: &Limits) -> Result<(), Outcome> {
     check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
     // Validate everything before changing anything.
-    let mut headers = req.headers.clone();
-    apply_headers(&mut headers, &edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
-    if let Some(p) = edits.path {
-        if !p.starts_with('/') || p.len() > 8192 {
-            return Err(Outcome::BadOutput);
+    let header_edits = header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
+    let uri = match edits.path {
+        None => None,
+        Some(p) => {
+            if !p.starts_with('/') || p.len() > 8192 {
+                return Err(Outcome::BadOutput);
+            }
+            let pq = PathAndQuery::from_maybe_shared(Bytes::from(p)).map_err(|_| Outcome::BadOutput)?;
+            let mut parts = req.uri.clone().into_parts();
+            parts.path_and_query = Some(pq);
+            Some(Uri::from_parts(parts).map_err(|_| Outcome::BadOutput)?)
         }
-        let pq = PathAndQuery::from_maybe_shared(Bytes::from(p)).map_err(|_| Outcome::BadOutput)?;
-        let mut parts = req.uri.clone().into_parts();
-        parts.path_and_query = Some(pq);
-        req.uri = Uri::from_parts(parts).map_err(|_| Outcome::BadOutput)?;
+    };
+    apply_headers(&mut req.headers, header_edits);
+    if let Some(uri) = uri {
+        req.uri = uri;
     }
-    req.headers = headers;
     Ok(())
 }
 
@@ -351,8 +385,8 @@ fn make_reply(reply: types::Reply, limits: &Limits) -> Result<Reply, Outcome> {
         return Err(Outcome::BadOutput);
     }
     check_sizes(&reply.headers, &[], &[], limits)?;
-    let mut headers = HeaderMap::new();
-    apply_headers(&mut headers, &[], &reply.headers, &[])?;
+    let mut headers = HeaderMap::with_capacity(reply.headers.len());
+    apply_headers(&mut headers, header_edits(&[], &reply.headers, &[])?);
     Ok(Reply::Custom { status, headers, body: Bytes::from(reply.body) })
 }
 

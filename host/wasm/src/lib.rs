@@ -7,11 +7,13 @@
 //!   module loading and validation (imports allowlist, world check), one sandboxed call.
 //! * [`filter`]: the contract adapter, failure policy and quarantine.
 //! * [`limits`], [`stats`]: limits with platform maxima; what each filter costs.
+//! * [`wasi_stubs`]: the WASI a filter gets, as stubs that grant nothing.
 
 pub mod filter;
 pub mod limits;
 pub mod runtime;
 pub mod stats;
+pub mod wasi_stubs;
 
 pub use filter::{Attachment, FailurePolicy, WasmFilter};
 pub use limits::Limits;

@@ -16,8 +16,6 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::limits::Limits;
 use crate::stats::{FilterStats, Outcome};
@@ -29,11 +27,38 @@ pub mod bindings {
         world: "filter",
         imports: { default: trappable },
         exports: { default: async },
+        // Arguments borrow the gateway's own request: nothing is copied before it is
+        // lowered into the guest's memory.
+        ownership: Borrowing { duplicate_if_necessary: true },
+    });
+}
+
+/// The same world with synchronous exports: the fast path calls a filter on the worker
+/// without a fiber. Types and the host interface are shared with [`bindings`].
+pub mod bindings_sync {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "filter",
+        imports: { default: trappable },
+        with: {
+            "postern:filter/types": super::bindings::postern::filter::types,
+            "postern:filter/host": super::bindings::postern::filter::host,
+        },
+        ownership: Borrowing { duplicate_if_necessary: true },
     });
 }
 
 use bindings::postern::filter::host::{self, Level};
 pub use bindings::postern::filter::types;
+
+/// How long a call may run on the worker before it is stopped and run again on a fiber
+/// that yields every millisecond. Checked at each epoch tick, so the worker is held at
+/// most one tick (1 ms) longer.
+const SLICE: Duration = Duration::from_micros(500);
+
+/// Once a filter outruns its slice, its calls on that route go straight to a fiber for
+/// this long.
+const FIBER_FOR_MS: u64 = 10_000;
 
 /// Interfaces a filter may import; anything else (filesystem, sockets, random, http,
 /// clocks) refuses the module when it is loaded.
@@ -100,8 +125,8 @@ impl Default for RuntimeConfig {
 /// Per-call store state.
 pub struct State {
     table: ResourceTable,
-    wasi: Option<WasiCtx>,
-    stderr: Option<MemoryOutputPipe>,
+    /// What the guest wrote to stdout and stderr (capped).
+    output: Vec<u8>,
     memory_max: usize,
     memory_denied: bool,
     host_calls: u32,
@@ -113,20 +138,13 @@ pub struct State {
     tag: Arc<str>,
     /// The guest reported a panic (the SDK's panic hook logs it before aborting).
     panicked: bool,
-}
-
-impl WasiView for State {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        // Built only when the guest touches WASI (e.g. a panic message on stderr), so an
-        // ordinary call pays nothing for it. Nothing is granted: no args, env, files or
-        // network; stdout and stderr go to a small in-memory pipe.
-        let wasi = self.wasi.get_or_insert_with(|| {
-            let pipe = MemoryOutputPipe::new(4096);
-            self.stderr = Some(pipe.clone());
-            WasiCtxBuilder::new().stdout(pipe.clone()).stderr(pipe).build()
-        });
-        WasiCtxView { ctx: wasi, table: &mut self.table }
-    }
+    /// The call was stopped at the end of its slice on the worker (not a failure: it
+    /// runs again on a fiber).
+    sliced: bool,
+    /// Log lines and counter additions, applied once the call is final, so that a call
+    /// run again after its slice is not counted twice.
+    logs: Vec<(Level, String)>,
+    counters: Vec<(String, u64)>,
 }
 
 impl wasmtime::ResourceLimiter for State {
@@ -165,6 +183,11 @@ impl wasmtime::ResourceLimiter for State {
 struct HostCallLimit;
 
 impl State {
+    /// The resource table and the output buffer, for the WASI stubs.
+    pub(crate) fn stubs(&mut self) -> (&mut ResourceTable, &mut Vec<u8>) {
+        (&mut self.table, &mut self.output)
+    }
+
     fn host_call(&mut self) -> wasmtime::Result<()> {
         self.host_calls += 1;
         if self.host_calls > self.host_calls_max {
@@ -186,20 +209,17 @@ impl host::Host for State {
         }
         let msg: String = message.chars().take(self.log_budget.min(1024)).collect();
         self.log_budget = self.log_budget.saturating_sub(msg.len().max(1));
-        let tag = &*self.tag;
-        match level {
-            Level::Debug => tracing::debug!(filter = tag, "{msg}"),
-            Level::Info => tracing::info!(filter = tag, "{msg}"),
-            Level::Warn => tracing::warn!(filter = tag, "{msg}"),
-            Level::Error => tracing::error!(filter = tag, "{msg}"),
-        }
+        self.logs.push((level, msg));
         Ok(())
     }
 
     fn counter_add(&mut self, name: String, delta: u64) -> wasmtime::Result<()> {
         self.host_call()?;
         if name.len() <= 64 {
-            self.stats.counter_add(&name, delta);
+            match self.counters.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, v)) => *v = v.saturating_add(delta),
+                None => self.counters.push((name, delta)),
+            }
         }
         Ok(())
     }
@@ -217,9 +237,32 @@ impl host::Host for State {
 
 impl types::Host for State {}
 
+impl State {
+    /// Emits the call's log lines and adds its counters: the call is final.
+    fn commit(&mut self) {
+        let tag = &*self.tag;
+        for (level, msg) in self.logs.drain(..) {
+            match level {
+                Level::Debug => tracing::debug!(filter = tag, "{msg}"),
+                Level::Info => tracing::info!(filter = tag, "{msg}"),
+                Level::Warn => tracing::warn!(filter = tag, "{msg}"),
+                Level::Error => tracing::error!(filter = tag, "{msg}"),
+            }
+        }
+        for (name, delta) in self.counters.drain(..) {
+            self.stats.counter_add(&name, delta);
+        }
+    }
+}
+
 fn clock_origin() -> Instant {
     static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     *ORIGIN.get_or_init(Instant::now)
+}
+
+/// Milliseconds of the runtime's monotonic clock.
+fn clock_ms() -> u64 {
+    u64::try_from(clock_origin().elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A compiled, validated, pre-instantiated filter module.
@@ -227,6 +270,7 @@ pub struct Module {
     /// `sha256:<hex>` of the component bytes.
     pub digest: String,
     pre: bindings::FilterPre<State>,
+    pre_sync: bindings_sync::FilterPre<State>,
 }
 
 impl std::fmt::Debug for Module {
@@ -311,6 +355,7 @@ impl Runtime {
         // them in again: this is most of the cost of a fresh instance per request.
         pool.linear_memory_keep_resident(128 << 10);
         pool.table_keep_resident(64 << 10);
+        pool.pagemap_scan(wasmtime::Enabled::Auto);
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         if let Some(dir) = &cfg.cache_dir {
             std::fs::create_dir_all(dir)?;
@@ -322,7 +367,7 @@ impl Runtime {
 
         let mut linker: Linker<State> = Linker::new(&engine);
         bindings::Filter::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
-        add_minimal_wasi(&mut linker)?;
+        crate::wasi_stubs::add_to_linker(&mut linker)?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let (e, s) = (engine.clone(), stop.clone());
@@ -365,18 +410,21 @@ impl Runtime {
             return Err(LoadError::ForbiddenImport(forbidden.join(", ")));
         }
         let pre = self.linker.instantiate_pre(&component).map_err(|e| LoadError::World(format!("{e:#}")))?;
+        let pre_sync = bindings_sync::FilterPre::new(pre.clone()).map_err(|e| LoadError::World(format!("{e:#}")))?;
         let pre = bindings::FilterPre::new(pre).map_err(|e| LoadError::World(format!("{e:#}")))?;
-        let module = Arc::new(Module { digest: d.clone(), pre });
+        let module = Arc::new(Module { digest: d.clone(), pre, pre_sync });
         self.modules.lock().unwrap_or_else(|p| p.into_inner()).insert(d, module.clone());
         Ok(module)
     }
 
-    fn store(&self, b: &Binding) -> Store<State> {
+    /// A fresh store for one call that started at `start`. On the worker (`fiber` false)
+    /// the call is stopped at the end of its slice; on a fiber it yields every tick.
+    /// Either way it is interrupted at its deadline.
+    fn store(&self, b: &Binding, start: Instant, fiber: bool) -> Store<State> {
         let (limits, config, stats, tag) = (&b.limits, b.config.clone(), b.stats.clone(), b.tag.clone());
         let state = State {
             table: ResourceTable::new(),
-            wasi: None,
-            stderr: None,
+            output: Vec::new(),
             memory_max: usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX),
             memory_denied: false,
             host_calls: 0,
@@ -387,6 +435,9 @@ impl Runtime {
             log_budget: 4096,
             tag,
             panicked: false,
+            sliced: false,
+            logs: Vec::new(),
+            counters: Vec::new(),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| s);
@@ -394,54 +445,116 @@ impl Runtime {
             return store;
         }
         let _ = store.set_fuel(limits.fuel);
-        // Yield to the executor every tick (1 ms) so a busy filter never holds a worker;
-        // past the deadline, interrupt it.
-        let deadline = Instant::now() + limits.deadline();
-        store.epoch_deadline_callback(move |_| {
-            if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Yield(1)) }
-        });
+        let deadline = start + limits.deadline();
+        if fiber {
+            // Yield to the executor every tick (1 ms) so a busy filter never holds a
+            // worker; past the deadline, interrupt it.
+            store.epoch_deadline_callback(move |_| {
+                if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Yield(1)) }
+            });
+        } else {
+            let slice_end = start + SLICE;
+            store.epoch_deadline_callback(move |mut cx| {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Ok(UpdateDeadline::Interrupt);
+                }
+                if now >= slice_end {
+                    cx.data_mut().sliced = true;
+                    return Ok(UpdateDeadline::Interrupt);
+                }
+                Ok(UpdateDeadline::Continue(1))
+            });
+        }
         store.set_epoch_deadline(1);
         store
     }
 
-    async fn run<T, F>(&self, b: &Binding, f: F) -> Call<T>
-    where
-        F: AsyncFnOnce(&bindings::Filter, &mut Store<State>) -> wasmtime::Result<T>,
-    {
+    /// One call in a fresh instance. Most filters answer in microseconds, so the call
+    /// first runs on the worker itself, with no fiber to set up; one that outruns its
+    /// slice is stopped and run again from the start in a new instance on a fiber
+    /// (its log lines and counters are kept back until a run is final, so nothing
+    /// counts twice), and the filter's next calls on this route start on a fiber.
+    async fn run<T>(
+        &self,
+        b: &Binding,
+        on_worker: impl FnOnce(&bindings_sync::Filter, &mut Store<State>) -> wasmtime::Result<T>,
+        on_fiber: impl AsyncFnOnce(&bindings::Filter, &mut Store<State>) -> wasmtime::Result<T>,
+    ) -> Call<T> {
         let start = Instant::now();
-        let mut store = self.store(b);
+        if !self.metering || b.stats.fiber_until_ms.load(Ordering::Relaxed) <= clock_ms() {
+            let mut store = self.store(b, start, false);
+            let result = match b.module.pre_sync.instantiate(&mut store) {
+                Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
+                Ok(instance) => on_worker(&instance, &mut store).map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+            };
+            if !store.data().sliced {
+                return self.finish(b, store, result, start);
+            }
+            b.stats.reruns.fetch_add(1, Ordering::Relaxed);
+            b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
+        }
+        let mut store = self.store(b, start, true);
         let result = match b.module.pre.instantiate_async(&mut store).await {
             Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-            Ok(instance) => f(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+            Ok(instance) => {
+                on_fiber(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap))
+            }
         };
+        self.finish(b, store, result, start)
+    }
+
+    fn finish<T>(&self, b: &Binding, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
         let fuel = if self.metering { b.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+        store.data_mut().commit();
+        drop(store);
         Call { result, fuel, took: start.elapsed() }
     }
 
     /// Runs the request phase in a fresh instance.
-    pub async fn on_request(&self, b: &Binding, req: types::Request, cx: types::Context) -> Call<types::Decision> {
-        self.run(b, async |inst, store| inst.call_on_request(store, &req, &cx).await).await
+    pub async fn on_request(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        cx: types::Context<'_>,
+    ) -> Call<types::Decision> {
+        self.run(
+            b,
+            |inst, store| inst.call_on_request(store, req.clone(), cx.clone()),
+            async |inst, store| inst.call_on_request(store, req.clone(), cx.clone()).await,
+        )
+        .await
     }
 
     /// Runs the request body phase in a fresh instance.
     pub async fn on_request_body(
         &self,
         b: &Binding,
-        req: types::Request,
+        req: types::Request<'_>,
         body: &[u8],
-        cx: types::Context,
+        cx: types::Context<'_>,
     ) -> Call<types::Decision> {
-        self.run(b, async |inst, store| inst.call_on_request_body(store, &req, body, &cx).await).await
+        self.run(
+            b,
+            |inst, store| inst.call_on_request_body(store, req.clone(), body, cx.clone()),
+            async |inst, store| inst.call_on_request_body(store, req.clone(), body, cx.clone()).await,
+        )
+        .await
     }
 
     /// Runs the response phase in a fresh instance.
     pub async fn on_response(
         &self,
         b: &Binding,
-        resp: types::ResponseHead,
-        cx: types::Context,
+        resp: types::ResponseHead<'_>,
+        cx: types::Context<'_>,
     ) -> Call<types::ResponseEdits> {
-        self.run(b, async |inst, store| inst.call_on_response(store, &resp, &cx).await).await
+        self.run(
+            b,
+            |inst, store| inst.call_on_response(store, resp.clone(), cx.clone()),
+            async |inst, store| inst.call_on_response(store, resp.clone(), cx.clone()).await,
+        )
+        .await
     }
 }
 
@@ -458,11 +571,7 @@ fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) -> Outcome {
         Some(Trap::Interrupt) => Outcome::Deadline,
         Some(Trap::StackOverflow) | Some(Trap::MemoryOutOfBounds) => Outcome::Stack,
         Some(Trap::UnreachableCodeReached) => {
-            let panicked = state.panicked
-                || state.stderr.as_ref().is_some_and(|p| {
-                    let b = p.contents();
-                    b.windows(8).any(|w| w == b"panicked")
-                });
+            let panicked = state.panicked || state.output.windows(8).any(|w| w == b"panicked");
             if panicked { Outcome::Panic } else { Outcome::Trap }
         }
         Some(_) => Outcome::Trap,
@@ -473,27 +582,88 @@ fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) -> Outcome {
     }
 }
 
-/// Links only the WASI interfaces a Rust `std` guest imports even when it does not use
-/// them (io, cli): no filesystem, sockets, clocks or randomness.
-fn add_minimal_wasi(linker: &mut Linker<State>) -> anyhow::Result<()> {
-    struct Io;
-    impl wasmtime::component::HasData for Io {
-        type Data<'a> = &'a mut ResourceTable;
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+    use super::*;
+
+    fn module_bytes(name: &str) -> Vec<u8> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
+        let p = target.join("filters/wasm32-wasip2/release").join(format!("{name}.wasm"));
+        std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}: run `make filters` first (make test does)", p.display()))
     }
-    use wasmtime_wasi::cli::WasiCli;
-    use wasmtime_wasi::p2::bindings::cli;
-    wasmtime_wasi_io::bindings::wasi::io::error::add_to_linker::<State, Io>(linker, |s| &mut s.table)?;
-    wasmtime_wasi_io::bindings::wasi::io::poll::add_to_linker::<State, Io>(linker, |s| &mut s.table)?;
-    wasmtime_wasi_io::bindings::wasi::io::streams::add_to_linker::<State, Io>(linker, |s| &mut s.table)?;
-    cli::exit::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::environment::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::stdin::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::stdout::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::stderr::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::terminal_input::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::terminal_output::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::terminal_stdin::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::terminal_stdout::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    cli::terminal_stderr::add_to_linker::<State, WasiCli>(linker, <State as wasmtime_wasi::cli::WasiCliView>::cli)?;
-    Ok(())
+
+    fn binding(rt: &Runtime, name: &str, config: &str, limits: Limits) -> Binding {
+        Binding {
+            module: rt.load(&module_bytes(name), None).expect("load"),
+            limits,
+            config: Arc::from(config.as_bytes()),
+            stats: Arc::new(FilterStats::default()),
+            tag: Arc::from(format!("{name}@t/r")),
+        }
+    }
+
+    fn call(rt: &Runtime, b: &Binding) -> Call<types::Decision> {
+        let req = types::Request { method: "GET", path: "/", query: None, authority: Some("a"), headers: &[] };
+        let cx = types::Context { route_id: "t/r", request_id: "0", identity: None };
+        let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        tokio.block_on(rt.on_request(b, req, cx))
+    }
+
+    fn set_header(d: &types::Decision, name: &str) -> Option<String> {
+        let types::Decision::Continue(e) = d else { return None };
+        e.set_headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+
+    fn counter(stats: &FilterStats, name: &str) -> Option<u64> {
+        let mut out = String::new();
+        stats.render(&mut out, "f=\"x\"");
+        let prefix = format!("postern_filter_counter_total{{f=\"x\",name=\"{name}\"}} ");
+        out.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.parse().unwrap())
+    }
+
+    #[test]
+    fn a_quick_filter_runs_on_the_worker_without_a_rerun() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let b = binding(&rt, "well_behaved", "", Limits::default());
+        for _ in 0..3 {
+            let c = call(&rt, &b);
+            assert_eq!(set_header(c.result.as_ref().unwrap(), "x-well-behaved").as_deref(), Some("yes"));
+            assert!(c.fuel > 0);
+        }
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_call_that_outruns_its_slice_runs_again_on_a_fiber_and_counts_once() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };
+        // 20 ms of work: far past the slice (0.5 ms, checked at 1 ms ticks).
+        let b = binding(&rt, "slow_counter", r#"{"spin_us": 20000}"#, limits);
+        let c = call(&rt, &b);
+        assert_eq!(set_header(c.result.as_ref().unwrap(), "x-slow").as_deref(), Some("done"));
+        assert!(c.took >= Duration::from_millis(20), "{:?}", c.took);
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1, "stopped on the worker, run again on a fiber");
+        assert_eq!(counter(&b.stats, "calls"), Some(1), "the stopped run's counter must not count");
+
+        // The next call starts on a fiber: no second rerun.
+        let c = call(&rt, &b);
+        assert!(c.result.is_ok());
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1);
+        assert_eq!(counter(&b.stats, "calls"), Some(2));
+    }
+
+    #[test]
+    fn a_rerun_keeps_the_deadline_of_the_first_start() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 30, host_calls: 100_000, ..Limits::default() };
+        let b = binding(&rt, "slow_counter", r#"{"spin_us": 1000000}"#, limits);
+        let c = call(&rt, &b);
+        assert_eq!(c.result.unwrap_err(), Outcome::Deadline);
+        assert!(c.took < Duration::from_millis(500), "{:?}", c.took);
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1);
+        assert_eq!(counter(&b.stats, "calls"), Some(1));
+    }
 }

@@ -85,6 +85,12 @@ pub struct FilterStats {
     time_sum_us: AtomicU64,
     /// Times the filter was quarantined on this route.
     pub quarantines: AtomicU64,
+    /// Calls that outran their first time slice on the worker and ran again on a fiber.
+    pub reruns: AtomicU64,
+    /// Until when (milliseconds of the runtime's clock) calls go straight to a fiber:
+    /// set when a call outruns its slice.
+    #[doc(hidden)]
+    pub fiber_until_ms: AtomicU64,
     counters: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -153,6 +159,7 @@ impl FilterStats {
         let _ = writeln!(out, "postern_filter_duration_seconds_count{{{labels}}} {cum}");
         let _ =
             writeln!(out, "postern_filter_quarantines_total{{{labels}}} {}", self.quarantines.load(Ordering::Relaxed));
+        let _ = writeln!(out, "postern_filter_reruns_total{{{labels}}} {}", self.reruns.load(Ordering::Relaxed));
         let m = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         for (name, v) in m.iter() {
             let name: String = name.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_').collect();

@@ -1,0 +1,54 @@
+//! `slow-counter`: adds 1 to its `calls` counter, then computes for `spin_us`
+//! microseconds of the gateway's clock (config `{"spin_us": N}`) and forwards with
+//! `x-slow: done`. A filter that outruns its first time slice on the worker but
+//! finishes: the gateway must run it again on a fiber and count it once.
+
+use postern_filter_sdk::{Context, Decision, Filter, Request, config_json, counter_add, export_filter, now_nanos};
+use serde::Deserialize;
+
+/// The filter.
+pub struct SlowCounter;
+
+#[derive(Deserialize, Default)]
+struct Config {
+    #[serde(default)]
+    spin_us: u64,
+}
+
+/// Computes until `micros` have passed, reading the clock every 10,000 rounds.
+pub fn spin(micros: u64) -> u64 {
+    let end = now_nanos().saturating_add(micros.saturating_mul(1000));
+    let mut x: u64 = 1;
+    loop {
+        for _ in 0..10_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        }
+        if now_nanos() >= end {
+            return x;
+        }
+    }
+}
+
+impl Filter for SlowCounter {
+    fn on_request(_req: &Request, _cx: &Context) -> Decision {
+        counter_add("calls", 1);
+        let cfg: Config = config_json().unwrap_or_default();
+        let x = spin(cfg.spin_us);
+        Decision::forward().set_header("x-slow", if x == 0 { "zero" } else { "done" })
+    }
+}
+
+export_filter!(SlowCounter);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postern_filter_sdk::testing;
+
+    #[test]
+    fn counts_once_and_forwards() {
+        let d = SlowCounter::on_request(&testing::request("GET", "/"), &testing::context());
+        assert!(d.edits().expect("forwarded").set_headers.iter().any(|(k, _)| k == "x-slow"));
+        assert_eq!(testing::counter("calls"), 1);
+    }
+}
