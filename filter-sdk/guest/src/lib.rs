@@ -104,6 +104,7 @@
 
 #![deny(missing_docs)]
 
+mod arena;
 mod convert;
 mod decision;
 mod host;

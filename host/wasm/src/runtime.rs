@@ -51,10 +51,15 @@ pub mod bindings_sync {
 use bindings::postern::filter::host::{self, Level};
 pub use bindings::postern::filter::types;
 
-/// How long a call may run on the worker before it is stopped and run again on a fiber
-/// that yields every millisecond. Checked at each epoch tick, so the worker is held at
-/// most one tick (1 ms) longer.
-const SLICE: Duration = Duration::from_micros(500);
+/// How much fuel a call may burn on the worker before it is stopped and run again on a
+/// fiber that yields every millisecond: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms).
+/// Fuel, not wall time, so a worker preempted mid-call does not send a quick filter to a
+/// fiber.
+const SLICE_FUEL: u64 = 7_000_000;
+
+/// Wall time on the worker after which a call is stopped all the same (checked at each
+/// 1 ms epoch tick): for time a filter spends without burning fuel.
+const SLICE: Duration = Duration::from_millis(2);
 
 /// Once a filter outruns its slice, its calls on that route go straight to a fiber for
 /// this long.
@@ -141,6 +146,8 @@ pub struct State {
     /// The call was stopped at the end of its slice on the worker (not a failure: it
     /// runs again on a fiber).
     sliced: bool,
+    /// Fuel the store was given.
+    fuel: u64,
     /// Log lines and counter additions, applied once the call is final, so that a call
     /// run again after its slice is not counted twice.
     logs: Vec<(Level, String)>,
@@ -436,6 +443,7 @@ impl Runtime {
             tag,
             panicked: false,
             sliced: false,
+            fuel: 0,
             logs: Vec::new(),
             counters: Vec::new(),
         };
@@ -444,7 +452,9 @@ impl Runtime {
         if !self.metering {
             return store;
         }
-        let _ = store.set_fuel(limits.fuel);
+        let fuel = if fiber { limits.fuel } else { limits.fuel.min(SLICE_FUEL) };
+        let _ = store.set_fuel(fuel);
+        store.data_mut().fuel = fuel;
         let deadline = start + limits.deadline();
         if fiber {
             // Yield to the executor every tick (1 ms) so a busy filter never holds a
@@ -488,11 +498,17 @@ impl Runtime {
                 Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
                 Ok(instance) => on_worker(&instance, &mut store).map_err(|e| classify(&e, store.data(), Outcome::Trap)),
             };
-            if !store.data().sliced {
-                return self.finish(b, store, result, start);
+            // Out of the slice's fuel, not of the filter's own: the filter needs more than
+            // a slice, so its next calls start on a fiber. Stopped by the wall clock only
+            // (a cold first call, a preempted worker): this call alone moves.
+            let out_of_slice_fuel = matches!(result, Err(Outcome::Fuel)) && store.data().fuel < b.limits.fuel;
+            if !out_of_slice_fuel && !store.data().sliced {
+                return self.finish(store, result, start);
             }
             b.stats.reruns.fetch_add(1, Ordering::Relaxed);
-            b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
+            if out_of_slice_fuel {
+                b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
+            }
         }
         let mut store = self.store(b, start, true);
         let result = match b.module.pre.instantiate_async(&mut store).await {
@@ -501,11 +517,11 @@ impl Runtime {
                 on_fiber(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap))
             }
         };
-        self.finish(b, store, result, start)
+        self.finish(store, result, start)
     }
 
-    fn finish<T>(&self, b: &Binding, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
-        let fuel = if self.metering { b.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+    fn finish<T>(&self, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
+        let fuel = if self.metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
         store.data_mut().commit();
         drop(store);
         Call { result, fuel, took: start.elapsed() }
