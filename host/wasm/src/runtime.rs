@@ -57,10 +57,6 @@ pub use bindings::postern::filter::types;
 /// fiber.
 const SLICE_FUEL: u64 = 7_000_000;
 
-/// Wall time on the worker after which a call is stopped all the same (checked at each
-/// 1 ms epoch tick): for time a filter spends without burning fuel.
-const SLICE: Duration = Duration::from_millis(2);
-
 /// Once a filter outruns its slice, its calls on that route go straight to a fiber for
 /// this long.
 const FIBER_FOR_MS: u64 = 10_000;
@@ -143,9 +139,6 @@ pub struct State {
     tag: Arc<str>,
     /// The guest reported a panic (the SDK's panic hook logs it before aborting).
     panicked: bool,
-    /// The call was stopped at the end of its slice on the worker (not a failure: it
-    /// runs again on a fiber).
-    sliced: bool,
     /// Fuel the store was given.
     fuel: u64,
     /// Log lines and counter additions, applied once the call is final, so that a call
@@ -442,7 +435,6 @@ impl Runtime {
             log_budget: 4096,
             tag,
             panicked: false,
-            sliced: false,
             fuel: 0,
             logs: Vec::new(),
             counters: Vec::new(),
@@ -463,17 +455,10 @@ impl Runtime {
                 if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Yield(1)) }
             });
         } else {
-            let slice_end = start + SLICE;
-            store.epoch_deadline_callback(move |mut cx| {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(UpdateDeadline::Interrupt);
-                }
-                if now >= slice_end {
-                    cx.data_mut().sliced = true;
-                    return Ok(UpdateDeadline::Interrupt);
-                }
-                Ok(UpdateDeadline::Continue(1))
+            // On the worker the slice is fuel (`SLICE_FUEL`); time that burns no fuel
+            // (memory growth, host calls) is bounded by the limits and the deadline.
+            store.epoch_deadline_callback(move |_| {
+                if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Continue(1)) }
             });
         }
         store.set_epoch_deadline(1);
@@ -499,16 +484,13 @@ impl Runtime {
                 Ok(instance) => on_worker(&instance, &mut store).map_err(|e| classify(&e, store.data(), Outcome::Trap)),
             };
             // Out of the slice's fuel, not of the filter's own: the filter needs more than
-            // a slice, so its next calls start on a fiber. Stopped by the wall clock only
-            // (a cold first call, a preempted worker): this call alone moves.
+            // a slice, so it runs again on a fiber and its next calls start on one.
             let out_of_slice_fuel = matches!(result, Err(Outcome::Fuel)) && store.data().fuel < b.limits.fuel;
-            if !out_of_slice_fuel && !store.data().sliced {
+            if !out_of_slice_fuel {
                 return self.finish(store, result, start);
             }
             b.stats.reruns.fetch_add(1, Ordering::Relaxed);
-            if out_of_slice_fuel {
-                b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
-            }
+            b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
         }
         let mut store = self.store(b, start, true);
         let result = match b.module.pre.instantiate_async(&mut store).await {
