@@ -4,6 +4,30 @@
 //! The credential state travels beside it ([`credentials`]), and [`keys`] manages API
 //! keys and development signing keys.
 
+/// `print!` to stdout, except that a reader that went away (`posternctl … | head`) ends
+/// the process quietly with status 141, as SIGPIPE ends other Unix tools, instead of a
+/// panic; any other write error is reported and exits 1.
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = write!(std::io::stdout().lock(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
+/// `println!` to stdout, as [`out!`].
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::stdout_failed(e)
+        }
+    }};
+}
+
 pub mod compile;
 pub mod config;
 pub mod credentials;
@@ -20,6 +44,16 @@ use std::path::Path;
 use postern_model::SnapshotFile;
 
 use crate::compile::Compiled;
+
+/// Ends the process after a failed write to stdout (see [`out!`]).
+#[doc(hidden)]
+pub fn stdout_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    eprintln!("error: cannot write to stdout: {e}");
+    std::process::exit(1)
+}
 
 /// Writes the snapshot to `out` atomically (temp file + rename), and every filter module
 /// it references to `modules/<hex>.wasm` beside it (first), and returns its envelope.

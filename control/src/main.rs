@@ -10,6 +10,7 @@ use postern_builtin_filters::auth::unix_now;
 use postern_model::credentials::{Alg, Credentials, Priority};
 use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
 use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
+use posternctl::{out, outln};
 
 /// mimalloc, as in the node: compiling a large key table makes many small allocations.
 #[global_allocator]
@@ -384,7 +385,7 @@ fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let req = posternctl::filter_run::RunRequest { method, path, headers, body: body.map(String::into_bytes) };
     let report = posternctl::filter_run::run(&module, &config, limits, &req)?;
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    outln!("{}", serde_json::to_string_pretty(&report)?);
     Ok(report["ok"] == true)
 }
 
@@ -425,7 +426,7 @@ fn compile(repo: &Path, out: &Path, version: Option<u64>) -> ExitCode {
     let publish = || -> anyhow::Result<()> {
         let creds_out = credentials_out(out)?;
         let file = posternctl::publish(&compiled, out, version)?;
-        println!(
+        outln!(
             "snapshot v{} {} with {} routes and {} clusters written to {}",
             file.version,
             file.hash,
@@ -434,7 +435,7 @@ fn compile(repo: &Path, out: &Path, version: Option<u64>) -> ExitCode {
             out.display()
         );
         let file = publish_credentials(&creds, &creds_out)?;
-        println!(
+        outln!(
             "credentials v{} {} with {} keys, {} signing keys written to {}",
             file.version,
             file.hash,
@@ -459,7 +460,7 @@ fn validate(repo: &Path) -> ExitCode {
         Err(code) => return code,
     };
     let s = &compiled.snapshot;
-    println!(
+    outln!(
         "ok: {} routes, {} clusters, {} filter modules; {} keys, {} signing keys, {} apps",
         s.routes.len(),
         s.clusters.len(),
@@ -484,7 +485,7 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 test,
             };
             if let Some(v) = remote.post("/v1/keys", &body)? {
-                println!("{}", v["key"].as_str().unwrap_or_default());
+                outln!("{}", v["key"].as_str().unwrap_or_default());
                 report_acks(&v);
                 eprintln!("key {id:?} created. The raw key above is shown only this once; only its hash is kept.");
                 return Ok(());
@@ -493,7 +494,7 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
             let env = if test { KeyEnv::Test } else { KeyEnv::Live };
             let spec = keys::NewKey { id, app, tenant, plan, scopes, priority, env };
             let raw = keys::new_key(&repo, &spec)?;
-            println!("{raw}");
+            outln!("{raw}");
             eprintln!(
                 "key {:?} added to {}. The raw key above is shown only this once: give it to its owner now; \
                  only its hash is kept.",
@@ -508,7 +509,7 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 test,
             };
             if let Some(v) = remote.post(&format!("/v1/keys/{id}/rotate"), &body)? {
-                println!("{}", v["key"].as_str().unwrap_or_default());
+                outln!("{}", v["key"].as_str().unwrap_or_default());
                 report_acks(&v);
                 eprintln!("key {new_id:?} replaces {id:?}. The raw key above is shown only this once.");
                 return Ok(());
@@ -516,7 +517,7 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
             let repo = repo.unwrap_or_default();
             let env = if test { KeyEnv::Test } else { KeyEnv::Live };
             let rotated = keys::rotate_key(&repo, &id, &new_id, overlap, env, unix_now())?;
-            println!("{}", rotated.raw_key);
+            outln!("{}", rotated.raw_key);
             let until = std::time::UNIX_EPOCH + Duration::from_secs(rotated.old_expires_at);
             eprintln!(
                 "key {new_id:?} replaces {id:?}, which keeps working until {}. The raw key above is shown only \
@@ -544,15 +545,15 @@ fn key(command: KeyCommand) -> anyhow::Result<()> {
                 }
             };
             if let Some(v) = remote.post("/v1/keys/revoke", &body)? {
-                println!("revoked key {}", v["id"]);
+                outln!("revoked key {}", v["id"]);
                 report_acks(&v);
                 return Ok(());
             }
             let revoked = keys::revoke_key(&repo.unwrap_or_default(), by)?;
             if revoked.already {
-                println!("key {:?} was already revoked", revoked.id);
+                outln!("key {:?} was already revoked", revoked.id);
             } else {
-                println!("revoked key {:?}", revoked.id);
+                outln!("revoked key {:?}", revoked.id);
             }
         }
     }
@@ -568,7 +569,7 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
             if let Some(path) = &public_out {
                 posternctl::write_atomic(path, pair.public_pem.as_bytes())?;
             }
-            print!("{yaml}");
+            out!("{yaml}");
             eprintln!(
                 "private key written to {} (keep it secret); paste the record above under signing_keys: in \
                  platform/auth.yaml",
@@ -590,12 +591,12 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
                 jti: jti.as_deref(),
                 now: unix_now(),
             };
-            println!("{}", keys::mint(&pem, &req)?);
+            outln!("{}", keys::mint(&pem, &req)?);
         }
         TokenCommand::Revoke { repo, remote, which } => {
             let body = posternctl::keyservice::DenyBody { jti: which.jti, sub: which.sub, client_id: which.client_id };
             if let Some(v) = remote.post("/v1/deny", &body)? {
-                println!("{}", v["deny"]);
+                outln!("{}", v["deny"]);
                 report_acks(&v);
                 return Ok(());
             }
@@ -604,7 +605,7 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
             let v = posternctl::keyservice::apply(&repo, &plans, posternctl::keyservice::Op::Deny(body))
                 .map_err(|e| anyhow::anyhow!("refused:\n  {}", e.join("\n  ")))?
                 .answer;
-            println!("{}", v["deny"]);
+            outln!("{}", v["deny"]);
             eprintln!(
                 "added to {}; compile or publish to apply it",
                 repo.join(posternctl::credentials::DENY_FILE).display()
@@ -682,7 +683,7 @@ fn plan(repo: &Path, against: &Path) -> ExitCode {
     };
     match posternctl::compile::compile(repo) {
         Ok(new) => {
-            print!("{}", posternctl::plan::render(&posternctl::plan::plan(&old, &new.snapshot)));
+            out!("{}", posternctl::plan::render(&posternctl::plan::plan(&old, &new.snapshot)));
             ExitCode::SUCCESS
         }
         Err(rejected) => {
@@ -709,9 +710,9 @@ fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
     let (status, body) = runtime()?.block_on(posternctl::serve::request_with(method, &url, &control.token, None))?;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     if let Some(summary) = v["summary"].as_str() {
-        println!("{summary}");
+        outln!("{summary}");
     }
-    println!("{}", serde_json::to_string_pretty(&v)?);
+    outln!("{}", serde_json::to_string_pretty(&v)?);
     anyhow::ensure!(status.is_success(), "control plane answered {status}");
     Ok(())
 }

@@ -167,7 +167,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     let listener = tokio::net::TcpListener::bind(settings.listen).await?;
     let addr = listener.local_addr()?;
     eprintln!("posternctl serve: listening on {addr}");
-    println!("{addr}");
+    outln!("{addr}");
     {
         let server = server.clone();
         tokio::spawn(async move { server.watch_store().await });
