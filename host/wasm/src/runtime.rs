@@ -183,6 +183,22 @@ impl wasmtime::ResourceLimiter for State {
 struct HostCallLimit;
 
 impl State {
+    /// Emits the call's log lines and adds its counters: the call is final.
+    fn commit(&mut self) {
+        let tag = &*self.tag;
+        for (level, msg) in self.logs.drain(..) {
+            match level {
+                Level::Debug => tracing::debug!(filter = tag, "{msg}"),
+                Level::Info => tracing::info!(filter = tag, "{msg}"),
+                Level::Warn => tracing::warn!(filter = tag, "{msg}"),
+                Level::Error => tracing::error!(filter = tag, "{msg}"),
+            }
+        }
+        for (name, delta) in self.counters.drain(..) {
+            self.stats.counter_add(&name, delta);
+        }
+    }
+
     /// The resource table and the output buffer, for the WASI stubs.
     pub(crate) fn stubs(&mut self) -> (&mut ResourceTable, &mut Vec<u8>) {
         (&mut self.table, &mut self.output)
@@ -236,24 +252,6 @@ impl host::Host for State {
 }
 
 impl types::Host for State {}
-
-impl State {
-    /// Emits the call's log lines and adds its counters: the call is final.
-    fn commit(&mut self) {
-        let tag = &*self.tag;
-        for (level, msg) in self.logs.drain(..) {
-            match level {
-                Level::Debug => tracing::debug!(filter = tag, "{msg}"),
-                Level::Info => tracing::info!(filter = tag, "{msg}"),
-                Level::Warn => tracing::warn!(filter = tag, "{msg}"),
-                Level::Error => tracing::error!(filter = tag, "{msg}"),
-            }
-        }
-        for (name, delta) in self.counters.drain(..) {
-            self.stats.counter_add(&name, delta);
-        }
-    }
-}
 
 fn clock_origin() -> Instant {
     static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -448,19 +446,19 @@ impl Runtime {
         let _ = store.set_fuel(fuel);
         store.data_mut().fuel = fuel;
         let deadline = start + limits.deadline();
-        if fiber {
-            // Yield to the executor every tick (1 ms) so a busy filter never holds a
-            // worker; past the deadline, interrupt it.
-            store.epoch_deadline_callback(move |_| {
-                if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Yield(1)) }
-            });
-        } else {
-            // On the worker the slice is fuel (`SLICE_FUEL`); time that burns no fuel
-            // (memory growth, host calls) is bounded by the limits and the deadline.
-            store.epoch_deadline_callback(move |_| {
-                if Instant::now() >= deadline { Ok(UpdateDeadline::Interrupt) } else { Ok(UpdateDeadline::Continue(1)) }
-            });
-        }
+        // Every tick (1 ms): past the deadline, interrupt. Before it, a fiber yields to the
+        // executor so a busy filter never holds a worker; on the worker the slice is fuel
+        // (`SLICE_FUEL`), and time that burns no fuel (memory growth, host calls) is
+        // bounded by the limits and the deadline.
+        store.epoch_deadline_callback(move |_| {
+            Ok(if Instant::now() >= deadline {
+                UpdateDeadline::Interrupt
+            } else if fiber {
+                UpdateDeadline::Yield(1)
+            } else {
+                UpdateDeadline::Continue(1)
+            })
+        });
         store.set_epoch_deadline(1);
         store
     }
