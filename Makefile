@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
-GUESTS := examples/filters/Cargo.toml tests/filters/Cargo.toml
+GUESTS := examples/filters/Cargo.toml tests/filters/Cargo.toml tests/filters-std/Cargo.toml
 
 .PHONY: setup build filters test demo bench bench-load clean
 

@@ -457,6 +457,7 @@ pub mod wasm_fixture {
         ("deep-recursion", "{}", "stack_overflow"),
         ("trap", "{}", "trap"),
         ("guest-panic", "{}", "guest_panic"),
+        ("std-panic", "{}", "guest_panic"),
         ("huge-header", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
         ("huge-body", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
         ("host-call-flood", "{ fuel: 100000000, deadline_ms: 50 }", "host_call_limit"),

@@ -28,6 +28,16 @@ async fn hostile_filters_fail_closed_with_defined_outcomes() {
         assert_eq!(f.echo.count().await, before, "{name}: fail-closed must forward nothing");
         assert!(f.node.proc.alive(), "{name} brought the node down");
     }
+    // Both panic paths, the SDK's `#![no_std]` handler and `std`'s with the SDK's hook,
+    // log the message with where it was raised.
+    let log = f.node.log();
+    for name in ["guest-panic", "std-panic"] {
+        let line = log.lines().find(|l| l.contains(&format!("{name}@t/"))).unwrap_or_default();
+        assert!(
+            line.contains(&format!("filter panicked at {name}/src/lib.rs:")) && line.contains(": boom"),
+            "{name}: {line:?}"
+        );
+    }
     let (rss, _) = f.node.proc.rss_kib();
     assert!(rss < 512 * 1024, "RSS {rss} KiB");
 

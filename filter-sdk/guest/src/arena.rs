@@ -1,31 +1,33 @@
 //! The guest's allocator. Every instance serves one call and is then thrown away, so
 //! small allocations come from a fixed arena by bumping a pointer, and freeing one
 //! gives its space back only when it is the most recent (`Vec` growth, temporaries).
-//! An allocation that does not fit goes to the system allocator, which reuses memory,
-//! so a filter that churns through more than the arena still runs within its limit.
+//! An allocation that does not fit goes to a general allocator (dlmalloc, or the
+//! system's when the filter links `std`), which reuses memory, so a filter that churns
+//! through more than the arena still runs within its limit.
 
 #![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::{Cell, UnsafeCell};
+use core::alloc::{GlobalAlloc, Layout};
+use core::cell::{Cell, UnsafeCell};
 
 const SIZE: usize = 32 * 1024;
 
 #[repr(C, align(16))]
 struct Space(UnsafeCell<[u8; SIZE]>);
 
-/// A bump arena in front of the system allocator.
-pub struct Arena {
+/// A bump arena in front of a general allocator `A`.
+pub struct Arena<A> {
     space: Space,
     used: Cell<usize>,
+    fallback: A,
 }
 
 // SAFETY: a wasm32 filter instance is single-threaded.
-unsafe impl Sync for Arena {}
+unsafe impl<A> Sync for Arena<A> {}
 
-impl Arena {
-    const fn new() -> Arena {
-        Arena { space: Space(UnsafeCell::new([0; SIZE])), used: Cell::new(0) }
+impl<A> Arena<A> {
+    const fn new(fallback: A) -> Arena<A> {
+        Arena { space: Space(UnsafeCell::new([0; SIZE])), used: Cell::new(0), fallback }
     }
 
     fn base(&self) -> usize {
@@ -39,8 +41,8 @@ impl Arena {
 }
 
 // SAFETY: blocks handed out do not overlap: the arena's are below `used`, the system's
-// come from the system allocator; each is returned to where it came from.
-unsafe impl GlobalAlloc for Arena {
+// come from the fallback; each is returned to where it came from.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for Arena<A> {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let base = self.base();
         let start = (base + self.used.get() + layout.align() - 1) & !(layout.align() - 1);
@@ -50,7 +52,7 @@ unsafe impl GlobalAlloc for Arena {
                 start as *mut u8
             }
             // SAFETY: same contract as ours.
-            _ => unsafe { System.alloc(layout) },
+            _ => unsafe { self.fallback.alloc(layout) },
         }
     }
 
@@ -61,8 +63,8 @@ unsafe impl GlobalAlloc for Arena {
             }
             return;
         }
-        // SAFETY: not the arena's, so the system's.
-        unsafe { System.dealloc(ptr, layout) }
+        // SAFETY: not the arena's, so the fallback's.
+        unsafe { self.fallback.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -76,8 +78,8 @@ unsafe impl GlobalAlloc for Arena {
             }
         }
         if !self.owns(ptr) {
-            // SAFETY: the system's block, same contract.
-            return unsafe { System.realloc(ptr, layout, new_size) };
+            // SAFETY: the fallback's block, same contract.
+            return unsafe { self.fallback.realloc(ptr, layout, new_size) };
         }
         // SAFETY: `new_size` with the old alignment is a valid layout (GlobalAlloc's contract).
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
@@ -86,7 +88,7 @@ unsafe impl GlobalAlloc for Arena {
         if !new.is_null() {
             // SAFETY: both blocks are valid for the smaller size and do not overlap.
             unsafe {
-                std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                core::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
                 self.dealloc(ptr, layout);
             }
         }
@@ -94,13 +96,19 @@ unsafe impl GlobalAlloc for Arena {
     }
 }
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", not(feature = "std")))]
 #[global_allocator]
-static ARENA: Arena = Arena::new();
+pub(crate) static ARENA: Arena<dlmalloc::GlobalDlmalloc> = Arena::new(dlmalloc::GlobalDlmalloc);
+
+#[cfg(all(target_arch = "wasm32", feature = "std"))]
+#[global_allocator]
+static ARENA: Arena<std::alloc::System> = Arena::new(std::alloc::System);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::alloc::System;
+    use std::boxed::Box;
 
     fn layout(size: usize, align: usize) -> Layout {
         Layout::from_size_align(size, align).unwrap()
@@ -108,7 +116,7 @@ mod tests {
 
     #[test]
     fn blocks_are_aligned_apart_and_the_latest_is_given_back() {
-        let a = Box::new(Arena::new());
+        let a = Box::new(Arena::new(System));
         unsafe {
             let p = a.alloc(layout(3, 1));
             let q = a.alloc(layout(8, 8));
@@ -129,7 +137,7 @@ mod tests {
 
     #[test]
     fn the_latest_block_grows_in_place_and_others_move_with_their_bytes() {
-        let a = Box::new(Arena::new());
+        let a = Box::new(Arena::new(System));
         unsafe {
             let p = a.alloc(layout(4, 1));
             p.copy_from_nonoverlapping(b"abcd".as_ptr(), 4);
@@ -144,8 +152,8 @@ mod tests {
     }
 
     #[test]
-    fn what_does_not_fit_comes_from_the_system_and_goes_back_to_it() {
-        let a = Box::new(Arena::new());
+    fn what_does_not_fit_goes_to_the_fallback_and_comes_back_from_it() {
+        let a = Box::new(Arena::new(System));
         unsafe {
             let big = a.alloc(layout(SIZE + 1, 8));
             assert!(!big.is_null() && !a.owns(big));

@@ -4,6 +4,7 @@
 use crate::Filter;
 use crate::bindings::postern::filter::types as wit;
 use crate::decision::{Decision, Reply, RequestEdits, ResponseEdits};
+use crate::prelude::*;
 use crate::types::{Context, Identity, Request, ResponseHead};
 
 impl From<wit::Request> for Request {
@@ -60,15 +61,17 @@ impl From<ResponseEdits> for wit::ResponseEdits {
     }
 }
 
-/// Sends a panic's message to the gateway's log before the instance traps, so the
-/// author sees `filter panicked at src/lib.rs:12:5: boom` next to the request id.
+/// With `std`, sends a panic's message to the gateway's log before the instance traps
+/// (without it, the SDK's panic handler does).
 fn init() {
-    #[cfg(target_arch = "wasm32")]
+    #[cfg(all(target_arch = "wasm32", feature = "std"))]
     {
         static HOOK: std::sync::Once = std::sync::Once::new();
         HOOK.call_once(|| {
             std::panic::set_hook(Box::new(|info| {
-                crate::log::error(format!("filter {info}"));
+                let at = info.location().map(|at| format!(" at {at}")).unwrap_or_default();
+                let what = info.payload_as_str().unwrap_or("Box<dyn Any>");
+                crate::log::error(format!("filter panicked{at}: {what}"));
             }));
         });
     }

@@ -1,6 +1,7 @@
 //! What a filter answers: forward the request (with edits) or respond itself, and
 //! edits to the backend's response head.
 
+use crate::prelude::*;
 use crate::types::{Fields, find, find_all};
 
 /// Header names travel lowercase, as in the WIT contract.
@@ -76,7 +77,7 @@ impl RequestEdits {
 
     /// The last value set for header `name`, if any and valid UTF-8.
     pub fn set_value_str(&self, name: &str) -> Option<&str> {
-        self.set_value(name).and_then(|v| std::str::from_utf8(v).ok())
+        self.set_value(name).and_then(|v| core::str::from_utf8(v).ok())
     }
 
     /// Every value appended for header `name`, in order (case-insensitive).
@@ -109,7 +110,7 @@ impl Reply {
 
     /// The first value of header `name` (case-insensitive), if valid UTF-8.
     pub fn header_str(&self, name: &str) -> Option<&str> {
-        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+        self.header(name).and_then(|v| core::str::from_utf8(v).ok())
     }
 
     /// The body parsed as JSON, if it is JSON.
@@ -321,7 +322,7 @@ impl ResponseEdits {
 
     /// The last value set for header `name`, if any and valid UTF-8.
     pub fn set_value_str(&self, name: &str) -> Option<&str> {
-        self.set_value(name).and_then(|v| std::str::from_utf8(v).ok())
+        self.set_value(name).and_then(|v| core::str::from_utf8(v).ok())
     }
 
     /// Whether header `name` is removed (case-insensitive).

@@ -7,6 +7,7 @@
 
 #[cfg(target_arch = "wasm32")]
 use crate::bindings::postern::filter::host as wit;
+use crate::prelude::*;
 
 /// Log severity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -23,14 +23,15 @@
 //!
 //! [dependencies]
 //! postern-filter-sdk = { path = "../../filter-sdk/guest" }
-//! serde = { version = "1", features = ["derive"] }
+//! serde = { version = "1", default-features = false, features = ["derive", "alloc"] }
 //! ```
 //!
-//! `src/lib.rs`:
+//! `src/lib.rs`, which starts with `#![no_std]` (see [`prelude`]; left out here so
+//! that the example runs as a test):
 //!
 //! ```
+//! use postern_filter_sdk::prelude::*;
 //! use postern_filter_sdk::serde_json::json;
-//! use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter, log};
 //!
 //! /// Refuses requests without an `x-api-version` this route supports.
 //! pub struct RequireVersion;
@@ -42,7 +43,7 @@
 //!
 //! impl Filter for RequireVersion {
 //!     fn on_request(req: &Request, cx: &Context) -> Decision {
-//!         let cfg: Config = match postern_filter_sdk::config_json() {
+//!         let cfg: Config = match config_json() {
 //!             Ok(cfg) => cfg,
 //!             Err(e) => {
 //!                 log::error(e);
@@ -51,7 +52,7 @@
 //!         };
 //!         match req.header_str("x-api-version") {
 //!             Some(v) if cfg.supported.iter().any(|s| s == v) => {
-//!                 postern_filter_sdk::counter_add(&format!("version_{v}"), 1);
+//!                 counter_add(&format!("version_{v}"), 1);
 //!                 Decision::forward().set_header("x-api-version", v)
 //!             }
 //!             _ => {
@@ -103,11 +104,17 @@
 //! involved. To run a filter in the real sandbox, see `docs/filters.md`.
 
 #![deny(missing_docs)]
+// On wasm32 a filter links no `std` unless it asks for it (see [`prelude`]).
+#![cfg_attr(all(target_arch = "wasm32", not(feature = "std")), no_std)]
+
+extern crate alloc;
 
 mod arena;
 mod convert;
 mod decision;
 mod host;
+#[cfg(all(target_arch = "wasm32", not(feature = "std")))]
+mod rt;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;
 mod types;
@@ -118,6 +125,29 @@ pub use types::{Context, Fields, Identity, Request, ResponseHead};
 
 /// `serde_json`, re-exported for [`Decision::json`] and config parsing.
 pub use serde_json;
+
+/// What a filter uses, in one import: the SDK's types and functions, and the `alloc`
+/// types and macros that a `#![no_std]` crate does not have in scope (`String`, `Vec`,
+/// `Box`, `ToOwned`, `ToString`, `format!`, `vec!`).
+///
+/// A filter crate starts with `#![no_std]` and `use postern_filter_sdk::prelude::*;`.
+/// Its dependencies must not link `std` either (e.g. `serde` with
+/// `default-features = false, features = ["derive", "alloc"]`): on wasm32 the SDK
+/// supplies what `std` would (the panic handler, the allocator), and a filter built
+/// that way imports nothing but the gateway's host functions, which makes its fresh
+/// sandbox per request several times cheaper. A filter that needs `std` (or a
+/// dependency that does) enables the SDK's `std` feature and drops `#![no_std]`.
+pub mod prelude {
+    pub use crate::{
+        Context, Decision, Fields, Filter, Identity, Level, Reply, Request, RequestEdits, ResponseEdits, ResponseHead,
+        config, config_json, counter_add, export_filter, log, now_nanos,
+    };
+    pub use alloc::borrow::ToOwned;
+    pub use alloc::boxed::Box;
+    pub use alloc::string::{String, ToString};
+    pub use alloc::vec::Vec;
+    pub use alloc::{format, vec};
+}
 
 /// The raw bindings generated from `wit/filter.wit` (world `filter`).
 ///
@@ -137,6 +167,7 @@ pub mod bindings {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::convert::{on_request, on_request_body, on_response};
+    pub use alloc::vec::Vec;
 }
 
 /// A request filter.
@@ -182,7 +213,7 @@ macro_rules! export_filter {
 
             fn on_request_body(
                 req: $crate::bindings::Request,
-                body: ::std::vec::Vec<u8>,
+                body: $crate::__private::Vec<u8>,
                 cx: $crate::bindings::Context,
             ) -> $crate::bindings::Decision {
                 $crate::__private::on_request_body::<$ty>(req, body, cx)

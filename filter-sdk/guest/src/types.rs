@@ -1,6 +1,8 @@
 //! What a filter is given: the request head, the caller's identity, facts about the
 //! request, and the backend's response head.
 
+use crate::prelude::*;
+
 /// Header fields in order: lowercase names, raw value bytes; a name may repeat.
 pub type Fields = Vec<(String, Vec<u8>)>;
 
@@ -39,7 +41,7 @@ impl Request {
 
     /// The first value of header `name` (case-insensitive), if it is valid UTF-8.
     pub fn header_str(&self, name: &str) -> Option<&str> {
-        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+        self.header(name).and_then(|v| core::str::from_utf8(v).ok())
     }
 
     /// Every value of header `name` (case-insensitive), in order.
@@ -177,6 +179,6 @@ impl ResponseHead {
 
     /// The first value of header `name` (case-insensitive), if it is valid UTF-8.
     pub fn header_str(&self, name: &str) -> Option<&str> {
-        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+        self.header(name).and_then(|v| core::str::from_utf8(v).ok())
     }
 }

@@ -633,6 +633,17 @@ mod tests {
     }
 
     #[test]
+    fn a_panic_is_told_apart_from_a_trap_with_or_without_std() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        for (module, outcome) in
+            [("guest_panic", Outcome::Panic), ("std_panic", Outcome::Panic), ("trap", Outcome::Trap)]
+        {
+            let c = call(&rt, &binding(&rt, module, "", Limits::default()));
+            assert_eq!(c.result.unwrap_err(), outcome, "{module}");
+        }
+    }
+
+    #[test]
     fn a_call_that_outruns_its_slice_runs_again_on_a_fiber_and_counts_once() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
         let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };

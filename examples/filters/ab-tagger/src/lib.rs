@@ -21,8 +21,9 @@
 //! is removed and `no_key` is counted. Tagging is not a security control, so a bad
 //! config fails open: the request is forwarded untagged (client `x-experiment`
 //! removed), an error is logged and `misconfigured` is counted.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, config_json, counter_add, export_filter, log};
+use postern_filter_sdk::prelude::*;
 use serde::Deserialize;
 
 /// The filter.

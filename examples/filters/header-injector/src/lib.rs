@@ -10,11 +10,14 @@
 //! A name may not be both set and removed. An invalid config fails every request
 //! with 500 `{"code":"filter_misconfigured"}` and an error log line, so the mistake
 //! is seen at once rather than half-applied.
+#![no_std]
 
-use std::collections::BTreeMap;
+extern crate alloc;
 
+use alloc::collections::BTreeMap;
+
+use postern_filter_sdk::prelude::*;
 use postern_filter_sdk::serde_json::json;
-use postern_filter_sdk::{Context, Decision, Filter, Request, ResponseEdits, ResponseHead, config, export_filter, log};
 use serde::Deserialize;
 
 /// The filter.

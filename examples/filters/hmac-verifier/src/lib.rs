@@ -31,10 +31,11 @@
 //!
 //! An invalid config (no `secret`, unknown keys) fails every request with 500
 //! `{"code":"filter_misconfigured"}`: a verifier must never fail open.
+#![no_std]
 
 use hmac::{Hmac, Mac};
+use postern_filter_sdk::prelude::*;
 use postern_filter_sdk::serde_json::json;
-use postern_filter_sdk::{Context, Decision, Filter, Request, config_json, counter_add, export_filter, log};
 use serde::Deserialize;
 use sha2::Sha256;
 

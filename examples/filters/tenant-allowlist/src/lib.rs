@@ -15,9 +15,10 @@
 //! in `allowed`. An invalid config fails every request with 500
 //! `{"code":"filter_misconfigured"}` (an allowlist must never fail open); an empty
 //! list denies everyone.
+#![no_std]
 
+use postern_filter_sdk::prelude::*;
 use postern_filter_sdk::serde_json::json;
-use postern_filter_sdk::{Context, Decision, Filter, Request, config_json, counter_add, export_filter, log};
 use serde::Deserialize;
 
 /// The filter.

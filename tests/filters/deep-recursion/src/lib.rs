@@ -1,9 +1,10 @@
 //! `deep-recursion`: recurses without bound in `on_request`. The gateway's stack
 //! limit must stop it (a trap) and fail the request, without crashing the gateway.
+#![no_std]
 
-use std::hint::black_box;
+use core::hint::black_box;
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct DeepRecursion;

@@ -1,8 +1,9 @@
 //! `guest-panic`: panics with `boom` in `on_request`. The SDK logs
 //! `filter panicked at ...: boom` at error level, then the instance traps; the
 //! gateway must fail the request and keep serving.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct GuestPanic;

@@ -1,8 +1,9 @@
 //! `host-call-flood`: calls `log::info` and `counter_add` 10 million times each in
 //! `on_request`. The gateway must bound what that costs it (fuel, log rate limits,
 //! counter batching) and not let one request flood its logs or metrics.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, counter_add, export_filter, log};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct HostCallFlood;

@@ -1,8 +1,9 @@
 //! `huge-body`: answers 200 with a 256 KiB body. The WIT contract asks for "a small
 //! body"; the gateway must refuse a reply this large (or cap it) and fail the
 //! request, not buffer it unchecked.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct HugeBody;

@@ -1,8 +1,9 @@
 //! `huge-header`: forwards the request with 1,000 set-headers of 1 KiB each (about
 //! 10 MiB of edits). The gateway must refuse edits that large and fail the request,
 //! not forward them or run out of memory.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, RequestEdits, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct HugeHeader;
@@ -25,6 +26,8 @@ export_filter!(HugeHeader);
 
 #[cfg(test)]
 mod tests {
+    extern crate alloc;
+
     use super::*;
     use postern_filter_sdk::testing;
 
@@ -34,7 +37,7 @@ mod tests {
         let e = d.edits().expect("forwarded");
         assert_eq!(e.set_headers.len(), COUNT);
         assert!(e.set_headers.iter().all(|(_, v)| v.len() == VALUE_LEN));
-        let names: std::collections::BTreeSet<_> = e.set_headers.iter().map(|(n, _)| n).collect();
+        let names: alloc::collections::BTreeSet<_> = e.set_headers.iter().map(|(n, _)| n).collect();
         assert_eq!(names.len(), COUNT);
     }
 }

@@ -2,10 +2,11 @@
 //! `x-count: <n>`. The gateway runs every request in a fresh instance, so the
 //! backend must always see `x-count: 1`; anything else means instances (and so
 //! data) leak between requests.
+#![no_std]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU64, Ordering};
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct KeepsState;

@@ -1,9 +1,10 @@
 //! `loop-forever`: spins forever in `on_request`. The gateway must stop it with its
 //! fuel or time limit and fail the request, without stalling other requests.
+#![no_std]
 
-use std::hint::black_box;
+use core::hint::black_box;
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct LoopForever;

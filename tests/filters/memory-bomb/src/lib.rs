@@ -1,10 +1,11 @@
 //! `memory-bomb`: allocates 1 MiB blocks, writes every byte and keeps them all,
 //! until memory runs out. The gateway's memory limit must stop it (the failed
 //! allocation aborts, which traps) and fail the request.
+#![no_std]
 
-use std::hint::black_box;
+use core::hint::black_box;
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct MemoryBomb;

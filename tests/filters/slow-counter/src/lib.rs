@@ -2,8 +2,9 @@
 //! microseconds of the gateway's clock (config `{"spin_us": N}`) and forwards with
 //! `x-slow: done`. A filter that outruns its first time slice on the worker but
 //! finishes: the gateway must run it again on a fiber and count it once.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, config_json, counter_add, export_filter, now_nanos};
+use postern_filter_sdk::prelude::*;
 use serde::Deserialize;
 
 /// The filter.

@@ -1,7 +1,8 @@
 //! `trap`: executes the wasm `unreachable` instruction in `on_request`. The gateway
 //! must turn the trap into a failed request and keep serving.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct Trap;

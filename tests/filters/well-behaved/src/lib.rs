@@ -1,7 +1,8 @@
 //! `well-behaved`: forwards the request with `x-well-behaved: yes`. The baseline the
 //! hostile filters are compared with.
+#![no_std]
 
-use postern_filter_sdk::{Context, Decision, Filter, Request, export_filter};
+use postern_filter_sdk::prelude::*;
 
 /// The filter.
 pub struct WellBehaved;
