@@ -25,12 +25,12 @@ owners:
   - { host: "*", pathPrefix: /, team: bench }
 Y
 route() { # name prefix [extra yaml]
-  printf '  - name: %s\n    public: true\n    match: { path: { type: PathPrefix, value: %s } }\n    backendRefs: [{ name: orders }]\n    timeouts: { connect: 1s, response: 5s }\n    rewrite: { replacePrefixMatch: /v1/orders }\n%s' "$1" "$2" "${3:-}"
+  printf '  - name: %s\n    public: true\n    match: { path: { type: PathPrefix, value: %s } }\n    backendRefs: [{ name: orders }]\n    timeouts: { connect: 1s, response: 5s }\n    rewrite: { replacePrefixMatch: /v1/orders }\n%s\n' "$1" "$2" "${3:-}"
 }
 {
   echo "routes:"
   route plain /v1/plain
-  route native /v1/native $'    requestHeaders:\n      set: [{ name: x-bench, value: "1" }]\n'
+  route native /v1/native $'    requestHeaders:\n      set: [{ name: x-bench, value: "1" }]'
 } > "$repo/teams/bench/routes.yaml"
 echo "approved:" > "$repo/platform/filters.yaml"
 names=()
@@ -59,7 +59,10 @@ cpu_us() { # path -> CPU µs of the node per request
   out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-6s}" "http://127.0.0.1:18090$1" 2>&1)
   after=$(awk '{print $14+$15}' /proc/$node/stat)
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
-  if echo "$out" | grep -q Non-2xx; then echo "non-2xx answers on $1" >&2; exit 1; fi
+  if echo "$out" | grep -q Non-2xx; then
+    echo "$1: $(echo "$out" | awk '/Non-2xx/ {print $NF}') non-2xx of $reqs; the node's filter outcomes so far:" >&2
+    curl -s http://127.0.0.1:18092/metrics | grep -E '^postern_filter_calls_total' | grep -v -e ' 0$' -e 'outcome="ok"' >&2
+  fi
   awk -v t=$((after - before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz / r * 1e6 }'
 }
 targets=(plain native "${names[@]}")
