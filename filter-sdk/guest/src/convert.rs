@@ -69,9 +69,7 @@ fn init() {
         static HOOK: std::sync::Once = std::sync::Once::new();
         HOOK.call_once(|| {
             std::panic::set_hook(Box::new(|info| {
-                let at = info.location().map(|at| format!(" at {at}")).unwrap_or_default();
-                let what = info.payload_as_str().unwrap_or("Box<dyn Any>");
-                crate::log::error(format!("filter panicked{at}: {what}"));
+                crate::host::log_panic(info.location(), &info.payload_as_str().unwrap_or("Box<dyn Any>"));
             }));
         });
     }

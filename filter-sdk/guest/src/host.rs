@@ -72,6 +72,21 @@ pub mod log {
     }
 }
 
+/// Logs a panic as `filter panicked at <file:line:col>: <message>` at error level: the
+/// line the gateway records as a guest panic (it matches the prefix). Used by the SDK's
+/// own panic handler and, with `std`, by its panic hook.
+#[cfg(target_arch = "wasm32")]
+pub(crate) fn log_panic(at: Option<&core::panic::Location<'_>>, what: &dyn core::fmt::Display) {
+    use core::fmt::Write;
+    let mut line = String::from("filter panicked");
+    // Formatting into a `String` fails only when allocation does, which aborts anyway.
+    if let Some(at) = at {
+        let _ = write!(line, " at {at}");
+    }
+    let _ = write!(line, ": {what}");
+    log::error(&line);
+}
+
 /// Adds `delta` to the counter `name`, which the gateway exports as a metric
 /// labelled with the filter.
 pub fn counter_add(name: &str, delta: u64) {

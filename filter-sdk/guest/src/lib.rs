@@ -135,7 +135,7 @@ pub use serde_json;
 /// `default-features = false, features = ["derive", "alloc"]`): on wasm32 the SDK
 /// supplies what `std` would (the panic handler, the allocator), and a filter built
 /// that way imports nothing but the gateway's host functions, which makes its fresh
-/// sandbox per request several times cheaper. A filter that needs `std` (or a
+/// sandbox per request ~25 % cheaper (`BENCHMARKS.md`). A filter that needs `std` (or a
 /// dependency that does) enables the SDK's `std` feature and drops `#![no_std]`.
 pub mod prelude {
     pub use crate::{

@@ -8,21 +8,12 @@
 //! versions back.
 
 use core::alloc::{GlobalAlloc, Layout};
-use core::fmt::Write;
-
-use crate::prelude::*;
 
 /// Logs `filter panicked at src/lib.rs:12:5: boom` at error level, which the gateway
 /// records as a guest panic next to the request id, then traps.
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo) -> ! {
-    let mut message = String::from("filter panicked");
-    // Formatting into a `String` fails only when allocation does, which aborts anyway.
-    if let Some(at) = info.location() {
-        let _ = write!(message, " at {at}");
-    }
-    let _ = write!(message, ": {}", info.message());
-    crate::log::error(&message);
+    crate::host::log_panic(info.location(), &info.message());
     core::arch::wasm32::unreachable()
 }
 
