@@ -75,11 +75,11 @@ pub fn run_loaded(
         names.iter().zip(&req.headers).map(|(k, (_, v))| (k.as_str(), v.as_bytes())).collect();
     let wit_req = types::Request { method: &req.method, path, query, authority: Some("localhost"), headers: &headers };
     let request_id = "0".repeat(32);
-    let cx = types::Context { route_id: "local/run", request_id: &request_id, identity: None };
     let config: Arc<[u8]> = match config {
         serde_json::Value::Null => Arc::from(&b""[..]),
         v => Arc::from(serde_json::to_vec(v)?),
     };
+    let cx = types::Context { route_id: "local/run", request_id: &request_id, identity: None, config: &config };
     let stats = Arc::new(FilterStats::default());
     let tag: Arc<str> = Arc::from("local");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -93,7 +93,7 @@ pub fn run_loaded(
         v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
         v
     };
-    let binding = Binding { module: m.clone(), limits, config, stats, tag };
+    let binding = Binding { module: m.clone(), limits, config: config.clone(), stats, tag };
     let first = rt.block_on(runtime.on_request(&binding, wit_req.clone(), cx.clone()));
     let forwarded = matches!(first.result, Ok(types::Decision::Continue(_)));
     let mut phases = vec![report("request", first)];

@@ -26,10 +26,14 @@ impl From<wit::Identity> for Identity {
     }
 }
 
-impl From<wit::Context> for Context {
-    fn from(c: wit::Context) -> Self {
-        Context { route_id: c.route_id, request_id: c.request_id, identity: c.identity.map(Identity::from) }
-    }
+/// The SDK's context, and the attachment's config that came with it, kept for
+/// [`crate::config`] (natively, in the test harness).
+fn context(c: wit::Context) -> Context {
+    #[cfg(target_arch = "wasm32")]
+    crate::host::call_config::set(c.config);
+    #[cfg(not(target_arch = "wasm32"))]
+    crate::testing::set_config(c.config);
+    Context { route_id: c.route_id, request_id: c.request_id, identity: c.identity.map(Identity::from) }
 }
 
 impl From<wit::ResponseHead> for ResponseHead {
@@ -78,17 +82,17 @@ fn init() {
 /// `on-request`, for [`Filter::on_request`].
 pub fn on_request<F: Filter>(req: wit::Request, cx: wit::Context) -> wit::Decision {
     init();
-    F::on_request(&req.into(), &cx.into()).into()
+    F::on_request(&req.into(), &context(cx)).into()
 }
 
 /// `on-request-body`, for [`Filter::on_request_body`].
 pub fn on_request_body<F: Filter>(req: wit::Request, body: Vec<u8>, cx: wit::Context) -> wit::Decision {
     init();
-    F::on_request_body(&req.into(), &body, &cx.into()).into()
+    F::on_request_body(&req.into(), &body, &context(cx)).into()
 }
 
 /// `on-response`, for [`Filter::on_response`].
 pub fn on_response<F: Filter>(resp: wit::ResponseHead, cx: wit::Context) -> wit::ResponseEdits {
     init();
-    F::on_response(&resp.into(), &cx.into()).into()
+    F::on_response(&resp.into(), &context(cx)).into()
 }

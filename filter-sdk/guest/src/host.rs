@@ -45,7 +45,7 @@ pub mod log {
                 Level::Warn => L::Warn,
                 Level::Error => L::Error,
             };
-            super::wit::log(level, message);
+            super::chunks(message.as_bytes(), |text, len, end| super::wit::log(level, text, len, end));
         }
         #[cfg(not(target_arch = "wasm32"))]
         crate::testing::record_log(level, message);
@@ -87,11 +87,40 @@ pub(crate) fn log_panic(at: Option<&core::panic::Location<'_>>, what: &dyn core:
     log::error(&line);
 }
 
+/// Text as the gateway's imports take it: 64-byte chunks, each as eight little-endian
+/// words, passed to `send` with its length and whether it is the last (an empty text
+/// is one empty chunk). Imports that take only numbers keep the sandbox small (see
+/// `wit/filter.wit`).
+#[cfg(any(target_arch = "wasm32", test))]
+fn chunks(text: &[u8], mut send: impl FnMut(wit_chunk::Chunk, u8, bool)) {
+    let mut parts = text.chunks(64).peekable();
+    if parts.peek().is_none() {
+        send((0, 0, 0, 0, 0, 0, 0, 0), 0, true);
+    }
+    while let Some(part) = parts.next() {
+        let mut w = [0u64; 8];
+        for (i, b) in part.iter().enumerate() {
+            w[i / 8] |= u64::from(*b) << (8 * (i % 8));
+        }
+        // A part is at most 64 bytes long.
+        let len = part.len() as u8;
+        send((w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), len, parts.peek().is_none());
+    }
+}
+
+#[cfg(any(target_arch = "wasm32", test))]
+mod wit_chunk {
+    /// `chunk` in `wit/filter.wit`.
+    pub type Chunk = (u64, u64, u64, u64, u64, u64, u64, u64);
+}
+
 /// Adds `delta` to the counter `name`, which the gateway exports as a metric
-/// labelled with the filter.
+/// labelled with the filter. A name longer than 64 bytes is ignored.
 pub fn counter_add(name: &str, delta: u64) {
     #[cfg(target_arch = "wasm32")]
-    wit::counter_add(name, delta);
+    if name.len() <= 64 {
+        chunks(name.as_bytes(), |text, len, _| wit::counter_add(text, len, delta));
+    }
     #[cfg(not(target_arch = "wasm32"))]
     crate::testing::record_counter(name, delta);
 }
@@ -109,9 +138,37 @@ pub fn now_nanos() -> u64 {
 /// This attachment's config as written in the route: JSON bytes, or empty.
 pub fn config() -> Vec<u8> {
     #[cfg(target_arch = "wasm32")]
-    return wit::config();
+    return call_config::get();
     #[cfg(not(target_arch = "wasm32"))]
     return crate::testing::config_bytes();
+}
+
+/// The config that came with this instance's one call (in its context), for
+/// [`config`].
+#[cfg(target_arch = "wasm32")]
+pub(crate) mod call_config {
+    use crate::prelude::*;
+    use core::cell::RefCell;
+
+    struct Slot(RefCell<Vec<u8>>);
+
+    // SAFETY: a filter instance has one thread (wasm32 without the threads proposal),
+    // so the cell is never reached from two threads.
+    unsafe impl Sync for Slot {}
+
+    static CONFIG: Slot = Slot(RefCell::new(Vec::new()));
+
+    /// Keeps `bytes` as this call's config.
+    pub(crate) fn set(bytes: Vec<u8>) {
+        if let Ok(mut c) = CONFIG.0.try_borrow_mut() {
+            *c = bytes;
+        }
+    }
+
+    /// This call's config.
+    pub(crate) fn get() -> Vec<u8> {
+        CONFIG.0.try_borrow().map(|c| c.clone()).unwrap_or_default()
+    }
 }
 
 /// This attachment's config, parsed from JSON into `T`.
@@ -135,4 +192,32 @@ pub fn config_json<T: serde::de::DeserializeOwned>() -> Result<T, String> {
         return Err("no config".to_owned());
     }
     serde_json::from_slice(&bytes).map_err(|e| format!("invalid config: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the gateway does with the chunks (`chunk_bytes` in `host/wasm`).
+    fn receive(text: &str) -> (Vec<u8>, usize) {
+        let (mut out, mut calls) = (Vec::new(), 0);
+        chunks(text.as_bytes(), |c, len, end| {
+            calls += 1;
+            assert_eq!(end, out.len() + usize::from(len) == text.len());
+            let words = [c.0, c.1, c.2, c.3, c.4, c.5, c.6, c.7];
+            out.extend(words.into_iter().flat_map(u64::to_le_bytes).take(usize::from(len)));
+        });
+        (out, calls)
+    }
+
+    #[test]
+    fn text_goes_out_in_64_byte_chunks_and_comes_back_whole() {
+        assert_eq!(receive(""), (vec![], 1));
+        assert_eq!(receive("boom"), (b"boom".to_vec(), 1));
+        // 63 ASCII bytes, then a two-byte character split between the chunks.
+        let text = format!("{}é and more", "x".repeat(63));
+        assert_eq!(receive(&text), (text.as_bytes().to_vec(), 2));
+        let long = "ab".repeat(64);
+        assert_eq!(receive(&long), (long.as_bytes().to_vec(), 2));
+    }
 }

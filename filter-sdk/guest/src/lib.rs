@@ -369,6 +369,7 @@ mod tests {
                 plan: None,
                 scopes: vec![],
             }),
+            config: br#"{"n": 1}"#.to_vec(),
         };
         let d = <Echo as bindings::Guest>::on_request(req.clone(), cx.clone());
         let wit::Decision::Continue(e) = d else {
@@ -376,6 +377,7 @@ mod tests {
         };
         assert!(e.set_headers.contains(&("x-path".into(), b"/p".to_vec())));
         assert!(e.set_headers.contains(&("x-tenant".into(), b"acme".to_vec())));
+        assert_eq!(config(), br#"{"n": 1}"#, "the context's config is the call's config");
 
         let d = <Echo as bindings::Guest>::on_request_body(req, b"body".to_vec(), cx.clone());
         assert!(matches!(d, wit::Decision::Continue(e) if e.set_headers.is_empty()));

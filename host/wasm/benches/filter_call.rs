@@ -28,8 +28,13 @@ fn request<'a>(headers: &'a [(&'a str, &'a [u8])]) -> types::Request<'a> {
     types::Request { method: "GET", path: "/v1/orders/1", query: None, authority: Some("api.example.com"), headers }
 }
 
-fn context() -> types::Context<'static> {
-    types::Context { route_id: "t/r", request_id: "0123456789abcdef0123456789abcdef", identity: None }
+fn context(b: &Binding) -> types::Context<'_> {
+    types::Context {
+        route_id: "t/r",
+        request_id: "0123456789abcdef0123456789abcdef",
+        identity: None,
+        config: &b.config,
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -56,7 +61,7 @@ fn bench(c: &mut Criterion) {
             let fib = Binding { stats: fstats, ..bind("well_behaved", b"") };
             c.bench_function("trivial_filter_fresh_instance_call_drop/fiber", |b| {
                 b.iter(|| {
-                    let call = rt.block_on(runtime.on_request(&fib, request(&[]), context()));
+                    let call = rt.block_on(runtime.on_request(&fib, request(&[]), context(&fib)));
                     assert!(call.result.is_ok());
                     black_box(call.fuel)
                 })
@@ -65,7 +70,7 @@ fn bench(c: &mut Criterion) {
 
         c.bench_function(&format!("trivial_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(&trivial, request(&[]), context()));
+                let call = rt.block_on(runtime.on_request(&trivial, request(&[]), context(&trivial)));
                 assert!(call.result.is_ok(), "{:?}", call.result);
                 black_box(call.fuel)
             })
@@ -73,7 +78,7 @@ fn bench(c: &mut Criterion) {
         let signed: [(&str, &[u8]); 2] = [("x-timestamp", b"1767225600"), ("x-signature", b"sha256=00")];
         c.bench_function(&format!("hmac_filter_fresh_instance_call_drop/{suffix}"), |b| {
             b.iter(|| {
-                let call = rt.block_on(runtime.on_request(&hmac, request(&signed), context()));
+                let call = rt.block_on(runtime.on_request(&hmac, request(&signed), context(&hmac)));
                 assert!(call.result.is_ok());
                 black_box(call.fuel)
             })

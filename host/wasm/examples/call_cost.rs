@@ -45,7 +45,12 @@ fn main() {
             authority: Some("api.example.com"),
             headers: &[],
         };
-        let cx = types::Context { route_id: "t/r", request_id: "0123456789abcdef0123456789abcdef", identity: None };
+        let cx = types::Context {
+            route_id: "t/r",
+            request_id: "0123456789abcdef0123456789abcdef",
+            identity: None,
+            config: &b.config,
+        };
         let c = tokio.block_on(runtime.on_request(&b, req, cx));
         assert!(c.result.is_ok(), "{:?}", c.result);
     };

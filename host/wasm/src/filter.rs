@@ -85,7 +85,7 @@ pub struct Attachment {
     /// Run the response phase too.
     #[serde(default)]
     pub response_phase: bool,
-    /// The filter's own config, handed to it through the `config` host call.
+    /// The filter's own config, handed to it with each call's context.
     #[serde(default)]
     pub config: serde_json::Value,
     /// Quarantine thresholds.
@@ -170,9 +170,10 @@ impl WasmFilter {
         cx.identity().map(|id| id.scope_list().collect()).unwrap_or_default()
     }
 
-    /// The WIT context of `cx`, borrowed from it.
-    fn context<'a>(cx: &'a Context, scopes: &'a [&'a str]) -> types::Context<'a> {
+    /// The WIT context of `cx` and this attachment's config, borrowed from them.
+    fn context<'a>(&'a self, cx: &'a Context, scopes: &'a [&'a str]) -> types::Context<'a> {
         types::Context {
+            config: &self.binding.config,
             route_id: &cx.route_id,
             request_id: cx.request_id.to_str().unwrap_or_default(),
             identity: cx.identity().map(|id| types::Identity {
@@ -207,7 +208,7 @@ impl WasmFilter {
                 headers: &headers,
             };
             let scopes = Self::scopes(cx);
-            let wcx = Self::context(cx, &scopes);
+            let wcx = self.context(cx, &scopes);
             match body {
                 None => self.runtime.on_request(&self.binding, wit_req, wcx).await,
                 Some(b) => self.runtime.on_request_body(&self.binding, wit_req, b, wcx).await,
@@ -246,7 +247,7 @@ impl WasmFilter {
             let headers = fields(&resp.headers);
             let head = types::ResponseHead { status: resp.status.as_u16(), headers: &headers };
             let scopes = Self::scopes(cx);
-            self.runtime.on_response(&self.binding, head, Self::context(cx, &scopes)).await
+            self.runtime.on_response(&self.binding, head, self.context(cx, &scopes)).await
         };
         let result = call.result.and_then(|edits| {
             let limits = &self.attachment.limits;

@@ -14,36 +14,24 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::component::{
+    Component, ComponentExportIndex, ComponentNamedList, HasSelf, InstancePre, Lift, Linker, Lower, ResourceTable,
+    TypedFunc,
+};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
 
 use crate::limits::Limits;
 use crate::stats::{FilterStats, Outcome};
 
-/// Generated bindings of `wit/filter.wit`.
+/// Generated bindings of `wit/filter.wit`: its types, the host interface, and the
+/// exports' typecheck, run once when a module is loaded.
 pub mod bindings {
     wasmtime::component::bindgen!({
         path: "../../wit",
         world: "filter",
         imports: { default: trappable },
-        exports: { default: async },
         // Arguments borrow the gateway's own request: nothing is copied before it is
         // lowered into the guest's memory.
-        ownership: Borrowing { duplicate_if_necessary: true },
-    });
-}
-
-/// The same world with synchronous exports: the fast path calls a filter on the worker
-/// without a fiber. Types and the host interface are shared with [`bindings`].
-pub mod bindings_sync {
-    wasmtime::component::bindgen!({
-        path: "../../wit",
-        world: "filter",
-        imports: { default: trappable },
-        with: {
-            "postern:filter/types": super::bindings::postern::filter::types,
-            "postern:filter/host": super::bindings::postern::filter::host,
-        },
         ownership: Borrowing { duplicate_if_necessary: true },
     });
 }
@@ -64,8 +52,8 @@ const FIBER_FOR_MS: u64 = 10_000;
 /// Interfaces a filter may import; anything else (filesystem, sockets, random, http,
 /// clocks) refuses the module when it is loaded.
 const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
-    "postern:filter/host@0.1.",
-    "postern:filter/types@0.1.",
+    "postern:filter/host@0.2.",
+    "postern:filter/types@0.2.",
     "wasi:io/error@0.2.",
     "wasi:io/streams@0.2.",
     "wasi:io/poll@0.2.",
@@ -133,8 +121,9 @@ pub struct State {
     host_calls: u32,
     host_calls_max: u32,
     host_calls_exceeded: bool,
-    config: Arc<[u8]>,
     stats: Arc<FilterStats>,
+    /// The log line being received, chunk by chunk (cut at `MAX_LOG_LINE`).
+    line: Vec<u8>,
     log_budget: usize,
     tag: Arc<str>,
     /// The guest reported a panic (the SDK's panic hook logs it before aborting).
@@ -215,27 +204,35 @@ impl State {
 }
 
 impl host::Host for State {
-    fn log(&mut self, level: Level, message: String) -> wasmtime::Result<()> {
+    fn log(&mut self, level: Level, text: host::Chunk, len: u8, end: bool) -> wasmtime::Result<()> {
         self.host_call()?;
+        let room = MAX_LOG_LINE.saturating_sub(self.line.len());
+        self.line.extend(chunk_bytes(text, len).take(room));
+        if !end {
+            return Ok(());
+        }
+        let message = String::from_utf8_lossy(&self.line).into_owned();
+        self.line.clear();
         if matches!(level, Level::Error) && message.starts_with("filter panicked") {
             self.panicked = true;
         }
         if self.log_budget == 0 {
             return Ok(());
         }
-        let msg: String = message.chars().take(self.log_budget.min(1024)).collect();
+        let msg: String = message.chars().take(self.log_budget).collect();
         self.log_budget = self.log_budget.saturating_sub(msg.len().max(1));
         self.logs.push((level, msg));
         Ok(())
     }
 
-    fn counter_add(&mut self, name: String, delta: u64) -> wasmtime::Result<()> {
+    fn counter_add(&mut self, name: host::Chunk, len: u8, delta: u64) -> wasmtime::Result<()> {
         self.host_call()?;
-        if name.len() <= 64 {
-            match self.counters.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, v)) => *v = v.saturating_add(delta),
-                None => self.counters.push((name, delta)),
-            }
+        let Ok(name) = String::from_utf8(chunk_bytes(name, len).collect()) else {
+            return Ok(());
+        };
+        match self.counters.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, v)) => *v = v.saturating_add(delta),
+            None => self.counters.push((name, delta)),
         }
         Ok(())
     }
@@ -244,11 +241,15 @@ impl host::Host for State {
         self.host_call()?;
         Ok(u64::try_from(clock_origin().elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
+}
 
-    fn config(&mut self) -> wasmtime::Result<Vec<u8>> {
-        self.host_call()?;
-        Ok(self.config.to_vec())
-    }
+/// A log line is cut at this many bytes.
+const MAX_LOG_LINE: usize = 1024;
+
+/// The first `len` bytes (at most 64) of a chunk of text: byte `i` is byte `i % 8` of
+/// word `i / 8`, little-endian.
+fn chunk_bytes(c: host::Chunk, len: u8) -> impl Iterator<Item = u8> {
+    [c.0, c.1, c.2, c.3, c.4, c.5, c.6, c.7].into_iter().flat_map(u64::to_le_bytes).take(usize::from(len))
 }
 
 impl types::Host for State {}
@@ -267,9 +268,26 @@ fn clock_ms() -> u64 {
 pub struct Module {
     /// `sha256:<hex>` of the component bytes.
     pub digest: String,
-    pre: bindings::FilterPre<State>,
-    pre_sync: bindings_sync::FilterPre<State>,
+    pre: InstancePre<State>,
+    exports: Exports,
 }
+
+/// Where the world's exports are in a module's instances: looked up and typechecked
+/// against the WIT once, when the module is loaded.
+#[derive(Debug, Clone)]
+struct Exports {
+    on_request: ComponentExportIndex,
+    on_request_body: ComponentExportIndex,
+    on_response: ComponentExportIndex,
+}
+
+/// The signatures the gateway calls the exports with. `bindings::FilterPre::new`
+/// typechecks a module's exports against the WIT when it is loaded, and the test
+/// `the_call_signatures_are_the_wits` checks that these types are the WIT's, so each
+/// call can take its export without checking its type again.
+type OnRequest<'a> = (types::Request<'a>, types::Context<'a>);
+type OnRequestBody<'a> = (types::Request<'a>, &'a [u8], types::Context<'a>);
+type OnResponse<'a> = (types::ResponseHead<'a>, types::Context<'a>);
 
 impl std::fmt::Debug for Module {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -309,7 +327,7 @@ pub struct Binding {
     pub module: Arc<Module>,
     /// Fuel, memory, deadline and output limits.
     pub limits: Limits,
-    /// The attachment's config, returned by the `config` import.
+    /// The attachment's config, handed to each call in its context.
     pub config: Arc<[u8]>,
     /// Counters fed by the `counter-add` import and the outcomes.
     pub stats: Arc<FilterStats>,
@@ -330,6 +348,12 @@ pub struct Call<T> {
     pub fuel: u64,
     /// Wall time, instantiation included.
     pub took: Duration,
+}
+
+impl<T> Call<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Call<U> {
+        Call { result: self.result.map(f), fuel: self.fuel, took: self.took }
+    }
 }
 
 impl Runtime {
@@ -407,10 +431,19 @@ impl Runtime {
         if !forbidden.is_empty() {
             return Err(LoadError::ForbiddenImport(forbidden.join(", ")));
         }
-        let pre = self.linker.instantiate_pre(&component).map_err(|e| LoadError::World(format!("{e:#}")))?;
-        let pre_sync = bindings_sync::FilterPre::new(pre.clone()).map_err(|e| LoadError::World(format!("{e:#}")))?;
-        let pre = bindings::FilterPre::new(pre).map_err(|e| LoadError::World(format!("{e:#}")))?;
-        let module = Arc::new(Module { digest: d.clone(), pre, pre_sync });
+        let world = |e: wasmtime::Error| LoadError::World(format!("{e:#}"));
+        let pre = self.linker.instantiate_pre(&component).map_err(world)?;
+        // The typecheck of every export; the calls then take them by index.
+        bindings::FilterPre::new(pre.clone()).map_err(world)?;
+        let index = |name: &str| {
+            component.get_export_index(None, name).ok_or_else(|| LoadError::World(format!("no export `{name}`")))
+        };
+        let exports = Exports {
+            on_request: index("on-request")?,
+            on_request_body: index("on-request-body")?,
+            on_response: index("on-response")?,
+        };
+        let module = Arc::new(Module { digest: d.clone(), pre, exports });
         self.modules.lock().unwrap_or_else(|p| p.into_inner()).insert(d, module.clone());
         Ok(module)
     }
@@ -419,7 +452,7 @@ impl Runtime {
     /// the call is stopped at the end of its slice; on a fiber it yields every tick.
     /// Either way it is interrupted at its deadline.
     fn store(&self, b: &Binding, start: Instant, fiber: bool) -> Store<State> {
-        let (limits, config, stats, tag) = (&b.limits, b.config.clone(), b.stats.clone(), b.tag.clone());
+        let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
         let state = State {
             table: ResourceTable::new(),
             output: Vec::new(),
@@ -428,8 +461,8 @@ impl Runtime {
             host_calls: 0,
             host_calls_max: limits.host_calls,
             host_calls_exceeded: false,
-            config,
             stats,
+            line: Vec::new(),
             log_budget: 4096,
             tag,
             panicked: false,
@@ -463,23 +496,26 @@ impl Runtime {
         store
     }
 
-    /// One call in a fresh instance. Most filters answer in microseconds, so the call
-    /// first runs on the worker itself, with no fiber to set up; one that outruns its
-    /// slice is stopped and run again from the start in a new instance on a fiber
-    /// (its log lines and counters are kept back until a run is final, so nothing
-    /// counts twice), and the filter's next calls on this route start on a fiber.
-    async fn run<T>(
-        &self,
-        b: &Binding,
-        on_worker: impl FnOnce(&bindings_sync::Filter, &mut Store<State>) -> wasmtime::Result<T>,
-        on_fiber: impl AsyncFnOnce(&bindings::Filter, &mut Store<State>) -> wasmtime::Result<T>,
-    ) -> Call<T> {
+    /// One call of the export at `export` in a fresh instance. Most filters answer in
+    /// microseconds, so the call first runs on the worker itself, with no fiber to set
+    /// up; one that outruns its slice is stopped and run again from the start in a new
+    /// instance on a fiber (its log lines and counters are kept back until a run is
+    /// final, so nothing counts twice), and the filter's next calls on this route start
+    /// on a fiber.
+    async fn run<P, R>(&self, b: &Binding, export: fn(&Exports) -> &ComponentExportIndex, params: P) -> Call<R>
+    where
+        P: ComponentNamedList + Lower + Clone + Send + Sync,
+        R: ComponentNamedList + Lift + Send + Sync + 'static,
+    {
         let start = Instant::now();
+        let index = export(&b.module.exports);
         if !self.metering || b.stats.fiber_until_ms.load(Ordering::Relaxed) <= clock_ms() {
             let mut store = self.store(b, start, false);
-            let result = match b.module.pre_sync.instantiate(&mut store) {
+            let result = match b.module.pre.instantiate(&mut store) {
                 Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-                Ok(instance) => on_worker(&instance, &mut store).map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+                Ok(instance) => typed::<P, R>(&instance, &mut store, index)
+                    .and_then(|f| f.call(&mut store, params.clone()))
+                    .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
             };
             // Out of the slice's fuel, not of the filter's own: the filter needs more than
             // a slice, so it runs again on a fiber and its next calls start on one.
@@ -493,9 +529,11 @@ impl Runtime {
         let mut store = self.store(b, start, true);
         let result = match b.module.pre.instantiate_async(&mut store).await {
             Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-            Ok(instance) => {
-                on_fiber(&instance, &mut store).await.map_err(|e| classify(&e, store.data(), Outcome::Trap))
+            Ok(instance) => match typed::<P, R>(&instance, &mut store, index) {
+                Ok(f) => f.call_async(&mut store, params).await,
+                Err(e) => Err(e),
             }
+            .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
         };
         self.finish(store, result, start)
     }
@@ -514,12 +552,8 @@ impl Runtime {
         req: types::Request<'_>,
         cx: types::Context<'_>,
     ) -> Call<types::Decision> {
-        self.run(
-            b,
-            |inst, store| inst.call_on_request(store, req.clone(), cx.clone()),
-            async |inst, store| inst.call_on_request(store, req.clone(), cx.clone()).await,
-        )
-        .await
+        let call = self.run::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx)).await;
+        call.map(|(d,)| d)
     }
 
     /// Runs the request body phase in a fresh instance.
@@ -530,12 +564,8 @@ impl Runtime {
         body: &[u8],
         cx: types::Context<'_>,
     ) -> Call<types::Decision> {
-        self.run(
-            b,
-            |inst, store| inst.call_on_request_body(store, req.clone(), body, cx.clone()),
-            async |inst, store| inst.call_on_request_body(store, req.clone(), body, cx.clone()).await,
-        )
-        .await
+        let call = self.run::<OnRequestBody<'_>, (types::Decision,)>(b, |e| &e.on_request_body, (req, body, cx)).await;
+        call.map(|(d,)| d)
     }
 
     /// Runs the response phase in a fresh instance.
@@ -545,13 +575,28 @@ impl Runtime {
         resp: types::ResponseHead<'_>,
         cx: types::Context<'_>,
     ) -> Call<types::ResponseEdits> {
-        self.run(
-            b,
-            |inst, store| inst.call_on_response(store, resp.clone(), cx.clone()),
-            async |inst, store| inst.call_on_response(store, resp.clone(), cx.clone()).await,
-        )
-        .await
+        let call = self.run::<OnResponse<'_>, (types::ResponseEdits,)>(b, |e| &e.on_response, (resp, cx)).await;
+        call.map(|(r,)| r)
     }
+}
+
+/// The export at `index` of a fresh instance of a loaded module, with the signature the
+/// gateway calls it with.
+#[allow(unsafe_code)]
+fn typed<P, R>(
+    instance: &wasmtime::component::Instance,
+    store: &mut Store<State>,
+    index: &ComponentExportIndex,
+) -> wasmtime::Result<TypedFunc<P, R>>
+where
+    P: ComponentNamedList + Lower,
+    R: ComponentNamedList + Lift,
+{
+    let func = instance.get_func(store, index).ok_or_else(|| wasmtime::format_err!("the export is missing"))?;
+    // SAFETY: the module's exports were typechecked against the WIT when it was loaded
+    // (`Runtime::load`), and `P` and `R` are the WIT's types (`OnRequest`, `OnRequestBody`,
+    // `OnResponse`; checked by `the_call_signatures_are_the_wits`).
+    Ok(unsafe { TypedFunc::new_unchecked(func) })
 }
 
 /// Tells the ways a call can fail apart, from the trap and the store's own records.
@@ -603,7 +648,7 @@ mod tests {
 
     fn call(rt: &Runtime, b: &Binding) -> Call<types::Decision> {
         let req = types::Request { method: "GET", path: "/", query: None, authority: Some("a"), headers: &[] };
-        let cx = types::Context { route_id: "t/r", request_id: "0", identity: None };
+        let cx = types::Context { route_id: "t/r", request_id: "0", identity: None, config: &b.config };
         let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         tokio.block_on(rt.on_request(b, req, cx))
     }
@@ -641,6 +686,24 @@ mod tests {
             let c = call(&rt, &binding(&rt, module, "", Limits::default()));
             assert_eq!(c.result.unwrap_err(), outcome, "{module}");
         }
+    }
+
+    /// The calls take each export unchecked (`typed`) with these signatures: they must be
+    /// the ones the WIT gives, which `get_typed_func` checks.
+    #[test]
+    fn the_call_signatures_are_the_wits() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let b = binding(&rt, "well_behaved", "", Limits::default());
+        let mut store = rt.store(&b, Instant::now(), false);
+        let instance = b.module.pre.instantiate(&mut store).unwrap();
+        let exports = &b.module.exports;
+        instance.get_typed_func::<OnRequest<'_>, (types::Decision,)>(&mut store, &exports.on_request).unwrap();
+        instance.get_typed_func::<OnRequestBody<'_>, (types::Decision,)>(&mut store, &exports.on_request_body).unwrap();
+        instance.get_typed_func::<OnResponse<'_>, (types::ResponseEdits,)>(&mut store, &exports.on_response).unwrap();
+        // And a wrong signature is refused, so the check above means something.
+        assert!(
+            instance.get_typed_func::<OnResponse<'_>, (types::Decision,)>(&mut store, &exports.on_response).is_err()
+        );
     }
 
     #[test]
