@@ -49,6 +49,9 @@ const SLICE_FUEL: u64 = 7_000_000;
 /// this long.
 const FIBER_FOR_MS: u64 = 10_000;
 
+/// The filter world this gateway runs (`wit/filter.wit`).
+pub const WORLD: &str = "postern:filter@0.2.0";
+
 /// Interfaces a filter may import; anything else (filesystem, sockets, random, http,
 /// clocks) refuses the module when it is loaded.
 const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
@@ -78,6 +81,9 @@ pub enum LoadError {
     /// Imports something the sandbox does not grant.
     #[error("imports {0}, which filters are not granted (allowed: postern:filter/host, wasi:io, wasi:cli)")]
     ForbiddenImport(String),
+    /// Built for another version of the filter world.
+    #[error("built for {0}, but this gateway runs {WORLD}: rebuild it with the current filter SDK")]
+    WorldVersion(String),
     /// Does not implement the `postern:filter/filter` world.
     #[error("does not implement the postern:filter world: {0}")]
     World(String),
@@ -422,15 +428,7 @@ impl Runtime {
             return Ok(m.clone());
         }
         let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Invalid(format!("{e:#}")))?;
-        let ty = component.component_type();
-        let forbidden: Vec<&str> = ty
-            .imports(&self.engine)
-            .map(|(name, _)| name)
-            .filter(|name| !ALLOWED_IMPORT_PREFIXES.iter().any(|p| name.starts_with(p)))
-            .collect();
-        if !forbidden.is_empty() {
-            return Err(LoadError::ForbiddenImport(forbidden.join(", ")));
-        }
+        check_imports(component.component_type().imports(&self.engine).map(|(name, _)| name))?;
         let world = |e: wasmtime::Error| LoadError::World(format!("{e:#}"));
         let pre = self.linker.instantiate_pre(&component).map_err(world)?;
         // The typecheck of every export; the calls then take them by index.
@@ -580,6 +578,21 @@ impl Runtime {
     }
 }
 
+/// Refuses a module whose imports go beyond what filters are granted, saying so
+/// plainly when it was built for another version of the filter world.
+fn check_imports<'a>(names: impl Iterator<Item = &'a str>) -> Result<(), LoadError> {
+    let forbidden: Vec<&str> =
+        names.filter(|name| !ALLOWED_IMPORT_PREFIXES.iter().any(|p| name.starts_with(p))).collect();
+    if let Some(other) = forbidden.iter().find_map(|n| n.strip_prefix("postern:filter/")) {
+        let version = other.split_once('@').map_or("an unversioned world", |(_, v)| v);
+        return Err(LoadError::WorldVersion(format!("postern:filter@{version}")));
+    }
+    if !forbidden.is_empty() {
+        return Err(LoadError::ForbiddenImport(forbidden.join(", ")));
+    }
+    Ok(())
+}
+
 /// The export at `index` of a fresh instance of a loaded module, with the signature the
 /// gateway calls it with.
 #[allow(unsafe_code)]
@@ -685,6 +698,29 @@ mod tests {
         {
             let c = call(&rt, &binding(&rt, module, "", Limits::default()));
             assert_eq!(c.result.unwrap_err(), outcome, "{module}");
+        }
+    }
+
+    #[test]
+    fn imports_beyond_the_grant_are_refused_and_an_old_world_is_named() {
+        let ok = ["postern:filter/host@0.2.0", "wasi:cli/stdout@0.2.6", "wasi:io/streams@0.2.6"];
+        assert!(check_imports(ok.into_iter()).is_ok());
+        let err = check_imports(["wasi:io/error@0.2.6", "postern:filter/host@0.1.0"].into_iter()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "built for postern:filter@0.1.0, but this gateway runs postern:filter@0.2.0: \
+             rebuild it with the current filter SDK"
+        );
+        let err = check_imports(["wasi:filesystem/types@0.2.6", "wasi:io/error@0.2.6"].into_iter()).unwrap_err();
+        assert!(matches!(&err, LoadError::ForbiddenImport(i) if i == "wasi:filesystem/types@0.2.6"), "{err}");
+        // The world this file names is the WIT's.
+        let wit = include_str!("../../../wit/filter.wit");
+        assert!(wit.contains(&format!("package {WORLD};")));
+        // And the imports granted are that world's: `postern:filter/host@0.2.` for 0.2.0.
+        let version = WORLD.trim_start_matches("postern:filter@");
+        let minor = &version[..=version.rfind('.').unwrap()];
+        for interface in ["host", "types"] {
+            assert!(ALLOWED_IMPORT_PREFIXES.contains(&format!("postern:filter/{interface}@{minor}").as_str()));
         }
     }
 
