@@ -92,7 +92,7 @@ pub(crate) fn log_panic(at: Option<&core::panic::Location<'_>>, what: &dyn core:
 /// is one empty chunk). Imports that take only numbers keep the sandbox small (see
 /// `wit/filter.wit`).
 #[cfg(any(target_arch = "wasm32", test))]
-fn chunks(text: &[u8], mut send: impl FnMut(wit_chunk::Chunk, u8, bool)) {
+fn chunks(text: &[u8], mut send: impl FnMut(crate::bindings::postern::filter::host::Chunk, u8, bool)) {
     let mut parts = text.chunks(64).peekable();
     if parts.peek().is_none() {
         send((0, 0, 0, 0, 0, 0, 0, 0), 0, true);
@@ -106,12 +106,6 @@ fn chunks(text: &[u8], mut send: impl FnMut(wit_chunk::Chunk, u8, bool)) {
         let len = part.len() as u8;
         send((w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), len, parts.peek().is_none());
     }
-}
-
-#[cfg(any(target_arch = "wasm32", test))]
-mod wit_chunk {
-    /// `chunk` in `wit/filter.wit`.
-    pub type Chunk = (u64, u64, u64, u64, u64, u64, u64, u64);
 }
 
 /// Adds `delta` to the counter `name`, which the gateway exports as a metric
