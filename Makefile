@@ -14,7 +14,7 @@ build: setup
 	$(CARGO) build --workspace --bins
 
 # Wasm filters (examples and the hostile test filters) for wasm32-wasip2, built from
-# their own folders so their .cargo/config.toml (a 64 KiB shadow stack) applies.
+# their own folders so their .cargo/config.toml (a 16 KiB shadow stack) applies.
 filters: setup
 	for m in $(GUESTS); do \
 		(cd $$(dirname $$m) && $(CARGO) build --release --target wasm32-wasip2 --target-dir $(abspath $(TARGET_DIR))/filters) || exit 1; \

@@ -378,12 +378,17 @@ impl Runtime {
         pool.total_stacks(cfg.max_instances);
         pool.max_memory_size(usize::try_from(cfg.maxima.memory_bytes).unwrap_or(usize::MAX));
         pool.max_unused_warm_slots(cfg.max_instances.min(100));
-        // Reset a freed slot's first 128 KiB of memory (and its tables) by memset instead of
-        // madvise, so the next instance starts on resident pages instead of faulting
-        // them in again: this is most of the cost of a fresh instance per request.
+        // A freed slot's memory is reset by restoring its first 128 KiB (the image's
+        // bytes, zeros elsewhere) in place instead of unmapping it, so the next instance
+        // starts on resident pages instead of faulting them in again; beyond that it is
+        // decommitted. A filter built with the SDK fits in one 64 KiB page when it is
+        // small (docs/filters.md), so this restores 64 KiB. Asking the kernel which
+        // pages were dirtied (`PAGEMAP_SCAN`) and restoring only those costs more here:
+        // the ioctl alone took ~2 µs per call against ~1 µs to restore 64 KiB
+        // (BENCHMARKS.md, Wasm filters).
         pool.linear_memory_keep_resident(128 << 10);
         pool.table_keep_resident(64 << 10);
-        pool.pagemap_scan(wasmtime::Enabled::Auto);
+        pool.pagemap_scan(wasmtime::Enabled::No);
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         if let Some(dir) = &cfg.cache_dir {
             std::fs::create_dir_all(dir)?;
