@@ -11,13 +11,20 @@
 #
 # To get an earlier build: git worktree add /tmp/old <commit>; ln -s "$PWD/target"
 # /tmp/old/target; (cd /tmp/old && cargo build --release -p postern -p posternctl --bins &&
-# make filters), then copy its binaries and modules out before building this tree again.
+# make filters TARGET_DIR=/tmp/old-filters), then copy its binaries and modules out. The
+# shared target dir saves rebuilding the dependencies, but cargo does not copy this
+# tree's binaries back over the old ones when it has nothing to rebuild: this script
+# touches their `main.rs` and refuses to run when the two binaries are the same.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [ $# -eq 2 ] || { echo "usage: $0 OLD_BIN OLD_MODULES" >&2; exit 2; }
 old_bin=$(cd "$1" && pwd)
 old_mods=$(cd "$2" && pwd)
+touch "$root/host/src/main.rs" "$root/control/src/main.rs"
 cargo build --release -p postern -p posternctl --bins >&2
+if cmp -s "$old_bin/postern" "$root/target/release/postern"; then
+  echo "$root/target/release/postern is the old build's binary" >&2; exit 1
+fi
 make -C "$root" filters >&2
 lp=$(mktemp -d)
 mk() { # tag ctl mods_dir port
