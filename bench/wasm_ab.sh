@@ -27,7 +27,7 @@ if cmp -s "$old_bin/postern" "$root/target/release/postern"; then
 fi
 make -C "$root" filters >&2
 lp=$(mktemp -d)
-mk() { # tag ctl mods_dir port
+mk() { # tag ctl mods_dir
   local ctl=$2 mods=$3 work=$lp/$1
   rm -rf $work; mkdir -p $work/repo/platform $work/repo/teams/bench/filters
   printf 'clusters:\n  orders: { endpoints: ["127.0.0.1:18080"] }\n' > $work/repo/platform/clusters.yaml
