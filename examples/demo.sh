@@ -32,9 +32,12 @@ done
 
 # Credentials for the demo: a signing key (a stand-in for the identity service's), and
 # API keys made the way the key service makes them (the raw key is printed once; only
-# its SHA-256 goes into platform/keys.jsonl).
-"$bin/posternctl" token keygen --kid demo-1 --issuer https://id.example.com \
-  --private-out "$state/demo-signing-key.pem" > "$state/signing-key.yaml"
+# its SHA-256 goes into platform/keys.jsonl). A second run keeps the first run's key.
+if [ ! -s "$state/demo-signing-key.pem" ] || [ ! -s "$state/signing-key.yaml" ]; then
+  rm -f "$state/demo-signing-key.pem"
+  "$bin/posternctl" token keygen --kid demo-1 --issuer https://id.example.com \
+    --private-out "$state/demo-signing-key.pem" > "$state/signing-key.yaml"
+fi
 python3 - "$state/config/platform/auth.yaml" "$state/signing-key.yaml" <<'PY'
 import sys
 auth, key = sys.argv[1], open(sys.argv[2]).read()
