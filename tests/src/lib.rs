@@ -52,6 +52,12 @@ impl Proc {
         (field("VmRSS:"), field("VmHWM:"))
     }
 
+    /// Resets the process's peak resident size (`VmHWM`) to its current one, so a later
+    /// [`Self::rss_kib`] peak covers only what happened since (not start-up's).
+    pub fn reset_peak_rss(&self) {
+        let _ = std::fs::write(format!("/proc/{}/clear_refs", self.pid()), "5");
+    }
+
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

@@ -157,6 +157,8 @@ async fn body_limits_count_bytes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_response_streams_with_bounded_memory() {
     let f = fixture();
+    // The peak is measured over the transfer alone, not the node's start-up.
+    f.node.proc.reset_peak_rss();
     let (rss_before, _) = f.node.proc.rss_kib();
     let size: u64 = 50 * 1024 * 1024;
     // Read it slowly-ish through a real socket and count.
