@@ -7,7 +7,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::HOST;
@@ -17,9 +16,10 @@ use postern_filter_contract::{
     Context, Filter, Flow, Identity, Problem, Reply, RequestHead, ResponseFlow, ResponseHead,
 };
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 use crate::limits::Limits;
-use crate::runtime::{Binding, Module, Runtime, types};
+use crate::runtime::{Binding, Call, Module, Runtime, types};
 use crate::stats::{FilterStats, Outcome};
 
 /// What happens to the request when the filter fails.
@@ -63,9 +63,10 @@ struct Quarantine {
     until_ms: AtomicU64,
 }
 
+/// Milliseconds of the runtime's clock, to the last millisecond tick: the quarantine's
+/// windows are seconds long, and reading the system clock on every call costs more.
 fn now_ms() -> u64 {
-    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    u64::try_from(ORIGIN.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX)
+    crate::runtime::coarse_ms()
 }
 
 /// How a route attaches a Wasm filter (the `config` of a `wasm` filter spec).
@@ -187,33 +188,43 @@ impl WasmFilter {
         }
     }
 
-    /// Runs the request phase, or with `body` the body phase, and applies the decision.
-    async fn request(&self, req: &mut RequestHead, body: Option<&[u8]>, cx: &Context) -> Result<(), Reply> {
+    /// Runs the request phase, or with `body` the body phase, and applies the decision:
+    /// on the worker at once when it can, so a quick filter needs no future; else a
+    /// future that runs it on a fiber.
+    fn request<'a>(&'a self, req: &'a mut RequestHead, body: Option<&'a [u8]>, cx: &'a Context) -> Flow<'a> {
         if self.quarantined() {
             self.binding.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
-            return self.fail(Outcome::Quarantined);
+            return flow(self.fail(Outcome::Quarantined));
         }
         let call = {
             let headers = fields(&req.headers);
-            let wit_req = types::Request {
-                method: req.method.as_str(),
-                path: req.uri.path(),
-                query: req.uri.query(),
-                // The Host header first: by the body phase the URI already names the backend.
-                authority: req
-                    .headers
-                    .get(HOST)
-                    .and_then(|h| h.to_str().ok())
-                    .or_else(|| req.uri.authority().map(|a| a.as_str())),
-                headers: &headers,
-            };
             let scopes = Self::scopes(cx);
-            let wcx = self.context(cx, &scopes);
+            let (wit_req, wcx) = (wit_request(req, &headers), self.context(cx, &scopes));
             match body {
-                None => self.runtime.on_request(&self.binding, wit_req, wcx).await,
-                Some(b) => self.runtime.on_request_body(&self.binding, wit_req, b, wcx).await,
+                None => self.runtime.on_request_now(&self.binding, wit_req, wcx),
+                Some(b) => self.runtime.on_request_body_now(&self.binding, wit_req, b, wcx),
             }
         };
+        match call {
+            Ok(call) => flow(self.conclude(req, call)),
+            Err(start) => Flow::Wait(Box::pin(async move {
+                let call = {
+                    let headers = fields(&req.headers);
+                    let scopes = Self::scopes(cx);
+                    let (wit_req, wcx) = (wit_request(req, &headers), self.context(cx, &scopes));
+                    match body {
+                        None => self.runtime.on_request_on_fiber(&self.binding, wit_req, wcx, start).await,
+                        Some(b) => self.runtime.on_request_body_on_fiber(&self.binding, wit_req, b, wcx, start).await,
+                    }
+                };
+                self.conclude(req, call)
+            })),
+        }
+    }
+
+    /// Applies a request-phase call's decision to `req`, records its outcome, and answers
+    /// under the failure policy when it failed.
+    fn conclude(&self, req: &mut RequestHead, call: Call<types::Decision>) -> Result<(), Reply> {
         let outcome = match call.result {
             Err(o) => Err(o),
             Ok(types::Decision::Continue(edits)) => {
@@ -269,9 +280,34 @@ impl WasmFilter {
     }
 }
 
-/// Header fields as the guest receives them, borrowed from the map.
-fn fields(h: &HeaderMap) -> Vec<(&str, &[u8])> {
+/// Header fields as the guest receives them, borrowed from the map (on the stack for up
+/// to 16 fields).
+fn fields(h: &HeaderMap) -> SmallVec<[(&str, &[u8]); 16]> {
     h.iter().map(|(k, v)| (k.as_str(), v.as_bytes())).collect()
+}
+
+/// The WIT request head of `req`, with its `headers` taken from [`fields`].
+fn wit_request<'a>(req: &'a RequestHead, headers: &'a [(&'a str, &'a [u8])]) -> types::Request<'a> {
+    types::Request {
+        method: req.method.as_str(),
+        path: req.uri.path(),
+        query: req.uri.query(),
+        // The Host header first: by the body phase the URI already names the backend.
+        authority: req
+            .headers
+            .get(HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri.authority().map(|a| a.as_str())),
+        headers,
+    }
+}
+
+/// A request-phase answer as a flow.
+fn flow<'a>(r: Result<(), Reply>) -> Flow<'a> {
+    match r {
+        Ok(()) => Flow::Continue,
+        Err(reply) => Flow::Respond(reply),
+    }
 }
 
 fn check_sizes(
@@ -319,7 +355,7 @@ fn header_edits(
     set: &[(String, Vec<u8>)],
     append: &[(String, Vec<u8>)],
     remove: &[String],
-) -> Result<Vec<Edit>, Outcome> {
+) -> Result<SmallVec<[Edit; 8]>, Outcome> {
     let name = |k: &str| -> Result<HeaderName, Outcome> {
         let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
         if reserved(&n) {
@@ -328,7 +364,7 @@ fn header_edits(
         Ok(n)
     };
     let value = |v: &[u8]| HeaderValue::from_bytes(v).map_err(|_| Outcome::BadOutput);
-    let mut edits = Vec::with_capacity(set.len() + append.len() + remove.len());
+    let mut edits = SmallVec::with_capacity(set.len() + append.len() + remove.len());
     for k in remove {
         edits.push(Edit::Remove(name(k)?));
     }
@@ -341,7 +377,7 @@ fn header_edits(
     Ok(edits)
 }
 
-fn apply_headers(h: &mut HeaderMap, edits: Vec<Edit>) {
+fn apply_headers(h: &mut HeaderMap, edits: SmallVec<[Edit; 8]>) {
     for e in edits {
         match e {
             Edit::Remove(n) => {
@@ -393,11 +429,11 @@ fn make_reply(reply: types::Reply, limits: &Limits) -> Result<Reply, Outcome> {
 
 impl Filter for WasmFilter {
     fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
-        Flow::Wait(Box::pin(self.request(req, None, cx)))
+        self.request(req, None, cx)
     }
 
     fn on_request_body<'a>(&'a self, req: &'a mut RequestHead, body: &'a [u8], cx: &'a Context) -> Flow<'a> {
-        Flow::Wait(Box::pin(self.request(req, Some(body), cx)))
+        self.request(req, Some(body), cx)
     }
 
     fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {
@@ -405,5 +441,58 @@ impl Filter for WasmFilter {
             return ResponseFlow::Done;
         }
         ResponseFlow::Wait(Box::pin(self.response(resp, cx)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::runtime::RuntimeConfig;
+
+    fn filter(name: &str, config: serde_json::Value, limits: Limits) -> WasmFilter {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
+        let p = target.join("filters/wasm32-wasip2/release").join(format!("{name}.wasm"));
+        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}: run `make filters` first", p.display()));
+        let runtime = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let module = runtime.load(&bytes, None).unwrap();
+        let attachment = Attachment {
+            name: name.to_owned(),
+            module: module.digest.clone(),
+            limits,
+            failure: FailurePolicy::FailClosed,
+            response_phase: false,
+            config,
+            quarantine: QuarantinePolicy::default(),
+        };
+        WasmFilter::new(runtime, module, attachment, "t/r", Arc::new(FilterStats::default()))
+    }
+
+    fn head() -> RequestHead {
+        http::Request::get("http://api.example.com/v1/orders").body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn a_quick_filter_answers_at_once_without_a_future() {
+        let f = filter("well_behaved", serde_json::Value::Null, Limits::default());
+        let (mut req, cx) = (head(), Context::new(Arc::from("t/r"), HeaderValue::from_static("1")));
+        assert!(matches!(f.on_request(&mut req, &cx), Flow::Continue));
+        assert_eq!(req.headers.get("x-well-behaved").map(HeaderValue::as_bytes), Some(&b"yes"[..]));
+    }
+
+    #[test]
+    fn a_filter_that_outruns_its_slice_finishes_on_a_fiber_and_edits_the_request() {
+        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };
+        let f = filter("slow_counter", serde_json::json!({"spin_us": 20000}), limits);
+        let (mut req, cx) = (head(), Context::new(Arc::from("t/r"), HeaderValue::from_static("1")));
+        let Flow::Wait(fut) = f.on_request(&mut req, &cx) else { panic!("expected a future for the fiber") };
+        let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert!(tokio.block_on(fut).is_ok());
+        assert_eq!(req.headers.get("x-slow").map(HeaderValue::as_bytes), Some(&b"done"[..]));
+        assert_eq!(f.binding.stats.reruns.load(Ordering::Relaxed), 1);
     }
 }

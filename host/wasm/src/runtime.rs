@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -270,6 +270,16 @@ fn clock_ms() -> u64 {
     u64::try_from(clock_origin().elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
+/// [`clock_ms`] as of the epoch thread's last tick, at most about a millisecond old.
+static COARSE_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds of the runtime's monotonic clock, as of the last epoch tick: what the
+/// per-call bookkeeping (quarantine windows, the fiber switch) reads instead of asking
+/// the system for the time on every request.
+pub(crate) fn coarse_ms() -> u64 {
+    COARSE_MS.load(Ordering::Relaxed)
+}
+
 /// A compiled, validated, pre-instantiated filter module.
 pub struct Module {
     /// `sha256:<hex>` of the component bytes.
@@ -404,10 +414,12 @@ impl Runtime {
 
         let stop = Arc::new(AtomicBool::new(false));
         let (e, s) = (engine.clone(), stop.clone());
+        COARSE_MS.fetch_max(clock_ms(), Ordering::Relaxed);
         std::thread::Builder::new().name("postern-epoch".into()).spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(1));
                 e.increment_epoch();
+                COARSE_MS.fetch_max(clock_ms(), Ordering::Relaxed);
             }
         })?;
         Ok(Arc::new(Runtime {
@@ -499,40 +511,62 @@ impl Runtime {
         store
     }
 
-    /// One call of the export at `export` in a fresh instance. Most filters answer in
-    /// microseconds, so the call first runs on the worker itself, with no fiber to set
-    /// up; one that outruns its slice is stopped and run again from the start in a new
-    /// instance on a fiber (its log lines and counters are kept back until a run is
-    /// final, so nothing counts twice), and the filter's next calls on this route start
-    /// on a fiber.
-    async fn run<P, R>(&self, b: &Binding, export: fn(&Exports) -> &ComponentExportIndex, params: P) -> Call<R>
+    /// One call of the export at `export` in a fresh instance, on the worker itself,
+    /// with no fiber to set up: most filters answer in microseconds. `None` when the call
+    /// belongs on a fiber ([`Self::run_on_fiber`]): the filter outran its slice recently
+    /// on this route, or this call just did (it was stopped; its log lines and counters
+    /// are kept back until a run is final, so nothing counts twice).
+    fn run_on_worker<P, R>(
+        &self,
+        b: &Binding,
+        export: fn(&Exports) -> &ComponentExportIndex,
+        params: P,
+        start: Instant,
+    ) -> Option<Call<R>>
     where
-        P: ComponentNamedList + Lower + Clone + Send + Sync,
+        P: ComponentNamedList + Lower,
+        R: ComponentNamedList + Lift,
+    {
+        if self.metering && b.stats.fiber_until_ms.load(Ordering::Relaxed) > coarse_ms() {
+            return None;
+        }
+        let mut store = self.store(b, start, false);
+        let result = match b.module.pre.instantiate(&mut store) {
+            Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
+            Ok(instance) => typed::<P, R>(&instance, &mut store, export(&b.module.exports))
+                .and_then(|f| f.call(&mut store, params))
+                .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+        };
+        // Out of the slice's fuel, not of the filter's own: the filter needs more than a
+        // slice, so it runs again on a fiber and its next calls start on one.
+        let out_of_slice_fuel = matches!(result, Err(Outcome::Fuel)) && store.data().fuel < b.limits.fuel;
+        if !out_of_slice_fuel {
+            return Some(self.finish(store, result, start));
+        }
+        drop(store);
+        b.stats.reruns.fetch_add(1, Ordering::Relaxed);
+        b.stats.fiber_until_ms.store(coarse_ms() + FIBER_FOR_MS, Ordering::Relaxed);
+        None
+    }
+
+    /// One call of the export at `export` in a fresh instance on a fiber that yields to
+    /// the executor every millisecond, under the deadline of a call that started at
+    /// `start`.
+    async fn run_on_fiber<P, R>(
+        &self,
+        b: &Binding,
+        export: fn(&Exports) -> &ComponentExportIndex,
+        params: P,
+        start: Instant,
+    ) -> Call<R>
+    where
+        P: ComponentNamedList + Lower + Send + Sync,
         R: ComponentNamedList + Lift + Send + Sync + 'static,
     {
-        let start = Instant::now();
-        let index = export(&b.module.exports);
-        if !self.metering || b.stats.fiber_until_ms.load(Ordering::Relaxed) <= clock_ms() {
-            let mut store = self.store(b, start, false);
-            let result = match b.module.pre.instantiate(&mut store) {
-                Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-                Ok(instance) => typed::<P, R>(&instance, &mut store, index)
-                    .and_then(|f| f.call(&mut store, params.clone()))
-                    .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
-            };
-            // Out of the slice's fuel, not of the filter's own: the filter needs more than
-            // a slice, so it runs again on a fiber and its next calls start on one.
-            let out_of_slice_fuel = matches!(result, Err(Outcome::Fuel)) && store.data().fuel < b.limits.fuel;
-            if !out_of_slice_fuel {
-                return self.finish(store, result, start);
-            }
-            b.stats.reruns.fetch_add(1, Ordering::Relaxed);
-            b.stats.fiber_until_ms.store(clock_ms() + FIBER_FOR_MS, Ordering::Relaxed);
-        }
         let mut store = self.store(b, start, true);
         let result = match b.module.pre.instantiate_async(&mut store).await {
             Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-            Ok(instance) => match typed::<P, R>(&instance, &mut store, index) {
+            Ok(instance) => match typed::<P, R>(&instance, &mut store, export(&b.module.exports)) {
                 Ok(f) => f.call_async(&mut store, params).await,
                 Err(e) => Err(e),
             }
@@ -541,11 +575,89 @@ impl Runtime {
         self.finish(store, result, start)
     }
 
+    /// One call, on the worker if it can be ([`Self::run_on_worker`]), else on a fiber.
+    async fn run<P, R>(&self, b: &Binding, export: fn(&Exports) -> &ComponentExportIndex, params: P) -> Call<R>
+    where
+        P: ComponentNamedList + Lower + Clone + Send + Sync,
+        R: ComponentNamedList + Lift + Send + Sync + 'static,
+    {
+        let start = Instant::now();
+        match self.run_on_worker(b, export, params.clone(), start) {
+            Some(call) => call,
+            None => self.run_on_fiber(b, export, params, start).await,
+        }
+    }
+
     fn finish<T>(&self, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
         let fuel = if self.metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
         store.data_mut().commit();
         drop(store);
         Call { result, fuel, took: start.elapsed() }
+    }
+
+    /// Runs the request phase in a fresh instance on the worker, or says (`Err`, with
+    /// the call's start) that it must run on a fiber: then call
+    /// [`Self::on_request_on_fiber`] with the same arguments and that start.
+    pub fn on_request_now(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        cx: types::Context<'_>,
+    ) -> Result<Call<types::Decision>, Instant> {
+        let start = Instant::now();
+        let call = self.run_on_worker::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx), start);
+        call.map(|c| c.map(|(d,)| d)).ok_or(start)
+    }
+
+    /// Runs the request phase in a fresh instance on a fiber, under the deadline of a
+    /// call that started at `start`.
+    pub async fn on_request_on_fiber(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        cx: types::Context<'_>,
+        start: Instant,
+    ) -> Call<types::Decision> {
+        let call = self.run_on_fiber::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx), start);
+        call.await.map(|(d,)| d)
+    }
+
+    /// Runs the request body phase in a fresh instance on the worker, or says (`Err`)
+    /// that it must run on a fiber, as [`Self::on_request_now`].
+    pub fn on_request_body_now(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        body: &[u8],
+        cx: types::Context<'_>,
+    ) -> Result<Call<types::Decision>, Instant> {
+        let start = Instant::now();
+        let call = self.run_on_worker::<OnRequestBody<'_>, (types::Decision,)>(
+            b,
+            |e| &e.on_request_body,
+            (req, body, cx),
+            start,
+        );
+        call.map(|c| c.map(|(d,)| d)).ok_or(start)
+    }
+
+    /// Runs the request body phase in a fresh instance on a fiber, as
+    /// [`Self::on_request_on_fiber`].
+    pub async fn on_request_body_on_fiber(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        body: &[u8],
+        cx: types::Context<'_>,
+        start: Instant,
+    ) -> Call<types::Decision> {
+        let call = self.run_on_fiber::<OnRequestBody<'_>, (types::Decision,)>(
+            b,
+            |e| &e.on_request_body,
+            (req, body, cx),
+            start,
+        );
+        call.await.map(|(d,)| d)
     }
 
     /// Runs the request phase in a fresh instance.
@@ -745,6 +857,19 @@ mod tests {
         assert!(
             instance.get_typed_func::<OnResponse<'_>, (types::Decision,)>(&mut store, &exports.on_response).is_err()
         );
+    }
+
+    #[test]
+    fn the_coarse_clock_follows_the_epoch_thread() {
+        let _rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let (before, start) = (coarse_ms(), Instant::now());
+        // It advances with the ticks (waiting up to 2 s: a busy host may delay the thread).
+        while coarse_ms() < before + 25 && start.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let after = coarse_ms();
+        assert!(after >= before + 25, "{before} -> {after} in {:?}", start.elapsed());
+        assert!(after <= clock_ms(), "never ahead of the clock it follows");
     }
 
     #[test]
