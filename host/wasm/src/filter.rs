@@ -19,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
 use crate::limits::Limits;
-use crate::runtime::{Binding, Call, Module, Runtime, types};
+// The quarantine's windows are seconds long: the epoch thread's millisecond clock will do.
+use crate::runtime::{Binding, Call, Module, Runtime, coarse_ms, types};
 use crate::stats::{FilterStats, Outcome};
 
 /// What happens to the request when the filter fails.
@@ -61,12 +62,6 @@ struct Quarantine {
     calls: AtomicU64,
     failures: AtomicU64,
     until_ms: AtomicU64,
-}
-
-/// Milliseconds of the runtime's clock, to the last millisecond tick: the quarantine's
-/// windows are seconds long, and reading the system clock on every call costs more.
-fn now_ms() -> u64 {
-    crate::runtime::coarse_ms()
 }
 
 /// How a route attaches a Wasm filter (the `config` of a `wasm` filter spec).
@@ -127,12 +122,12 @@ impl WasmFilter {
     }
 
     fn quarantined(&self) -> bool {
-        self.quarantine.until_ms.load(Ordering::Relaxed) > now_ms()
+        self.quarantine.until_ms.load(Ordering::Relaxed) > coarse_ms()
     }
 
     fn judge(&self, failed: bool) {
         let p = &self.attachment.quarantine;
-        let window = now_ms() / (p.window_secs.max(1) * 1000);
+        let window = coarse_ms() / (p.window_secs.max(1) * 1000);
         if self.quarantine.window.swap(window, Ordering::Relaxed) != window {
             self.quarantine.calls.store(0, Ordering::Relaxed);
             self.quarantine.failures.store(0, Ordering::Relaxed);
@@ -140,7 +135,7 @@ impl WasmFilter {
         let calls = self.quarantine.calls.fetch_add(1, Ordering::Relaxed) + 1;
         let failures = self.quarantine.failures.fetch_add(u64::from(failed), Ordering::Relaxed) + u64::from(failed);
         if failed && calls >= p.min_calls && failures * 100 >= calls * p.failure_percent {
-            self.quarantine.until_ms.store(now_ms() + p.quarantine_secs * 1000, Ordering::Relaxed);
+            self.quarantine.until_ms.store(coarse_ms() + p.quarantine_secs * 1000, Ordering::Relaxed);
             self.quarantine.calls.store(0, Ordering::Relaxed);
             self.quarantine.failures.store(0, Ordering::Relaxed);
             self.binding.stats.quarantines.fetch_add(1, Ordering::Relaxed);
@@ -448,18 +443,13 @@ impl Filter for WasmFilter {
 mod tests {
     #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
-    use std::path::PathBuf;
-
     use super::*;
     use crate::runtime::RuntimeConfig;
+    use crate::runtime::tests::module_bytes;
 
     fn filter(name: &str, config: serde_json::Value, limits: Limits) -> WasmFilter {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
-        let p = target.join("filters/wasm32-wasip2/release").join(format!("{name}.wasm"));
-        let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}: run `make filters` first", p.display()));
         let runtime = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
-        let module = runtime.load(&bytes, None).unwrap();
+        let module = runtime.load(&module_bytes(name), None).unwrap();
         let attachment = Attachment {
             name: name.to_owned(),
             module: module.digest.clone(),

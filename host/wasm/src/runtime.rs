@@ -543,7 +543,6 @@ impl Runtime {
         if !out_of_slice_fuel {
             return Some(self.finish(store, result, start));
         }
-        drop(store);
         b.stats.reruns.fetch_add(1, Ordering::Relaxed);
         b.stats.fiber_until_ms.store(coarse_ms() + FIBER_FOR_MS, Ordering::Relaxed);
         None
@@ -754,12 +753,13 @@ fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) -> Outcome {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
     use super::*;
 
-    fn module_bytes(name: &str) -> Vec<u8> {
+    /// The bytes of a filter built by `make filters`.
+    pub(crate) fn module_bytes(name: &str) -> Vec<u8> {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
         let p = target.join("filters/wasm32-wasip2/release").join(format!("{name}.wasm"));
