@@ -674,7 +674,8 @@ fn route_auth(cx: &mut Ctx, file: &Path, field: &str, team: &str, r: &RouteDoc) 
 }
 
 /// Resolves a Wasm filter attachment: manifest, module, review, limits, and a check of
-/// the component itself in the real runtime (world, imports).
+/// the component itself in the real runtime (world, imports), and the filter's own
+/// check of its config (its `init`).
 fn wasm_filter(
     cx: &mut Ctx,
     file: &Path,
@@ -741,6 +742,13 @@ fn wasm_filter(
         run_samples(cx, &manifest_path, team, &module, &manifest);
     }
     cx.modules.insert(digest.clone(), module_path);
+    // The filter's own check of its config (`init`), as each node will run it.
+    if let Some(rt) = &cx.runtime
+        && let Err(e) = rt.check_config(&module, &postern_wasm::config_bytes(&w.config), &manifest.limits)
+    {
+        cx.error(file, format!("{field}.config"), format!("filter {}: {e}", w.name), owner);
+        return None;
+    }
     let attachment = postern_wasm::Attachment {
         name: w.name.clone(),
         module: digest,

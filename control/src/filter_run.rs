@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use postern_wasm::runtime::types;
-use postern_wasm::{Binding, FilterStats, Limits, Module, Runtime, RuntimeConfig};
+use postern_wasm::{Binding, FilterStats, Limits, LoadError, Module, Runtime, RuntimeConfig};
 
 /// One request to run a filter on.
 #[derive(Debug, Clone)]
@@ -75,9 +75,17 @@ pub fn run_loaded(
         names.iter().zip(&req.headers).map(|(k, (_, v))| (k.as_str(), v.as_bytes())).collect();
     let wit_req = types::Request { method: &req.method, path, query, authority: Some("localhost"), headers: &headers };
     let request_id = "0".repeat(32);
-    let config: Arc<[u8]> = match config {
-        serde_json::Value::Null => Arc::from(&b""[..]),
-        v => Arc::from(serde_json::to_vec(v)?),
+    let config = postern_wasm::config_bytes(config);
+    // As the gateway does: the filter's `init` checks the config and may pre-initialise it.
+    let prepared = match runtime.prepare(m, &config, &limits) {
+        Ok(p) => p,
+        Err(e @ (LoadError::Config(_) | LoadError::Init(_))) => {
+            let outcome = if matches!(e, LoadError::Config(_)) { "config_refused" } else { "init_failed" };
+            let phase =
+                serde_json::json!({"phase": "init", "decision": "failed", "outcome": outcome, "error": e.to_string()});
+            return Ok(serde_json::json!({"module": m.digest, "limits": limits, "phases": [phase], "ok": false}));
+        }
+        Err(e) => return Err(e.into()),
     };
     let cx = types::Context { route_id: "local/run", request_id: &request_id, identity: None, config: &config };
     let stats = Arc::new(FilterStats::default());
@@ -93,7 +101,7 @@ pub fn run_loaded(
         v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
         v
     };
-    let binding = Binding { module: m.clone(), limits, config: config.clone(), stats, tag };
+    let binding = Binding { module: prepared.clone(), limits, config: config.clone(), stats, tag };
     let first = rt.block_on(runtime.on_request(&binding, wit_req.clone(), cx.clone()));
     let forwarded = matches!(first.result, Ok(types::Decision::Continue(_)));
     let mut phases = vec![report("request", first)];
@@ -102,5 +110,8 @@ pub fn run_loaded(
         phases.push(report("request_body", call));
     }
     let failed = phases.iter().any(|p| p["decision"] == "failed");
-    Ok(serde_json::json!({"module": m.digest, "limits": limits, "phases": phases, "ok": !failed}))
+    let pre_initialised = !Arc::ptr_eq(&prepared, m);
+    Ok(
+        serde_json::json!({"module": m.digest, "pre_initialised": pre_initialised, "limits": limits, "phases": phases, "ok": !failed}),
+    )
 }

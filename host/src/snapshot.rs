@@ -259,6 +259,10 @@ impl Builder {
         let module = runtime
             .load(&bytes, Some(&attachment.module))
             .map_err(|e| format!("filter {}: module {}: {e}", attachment.name, attachment.module))?;
+        // Checked and, when the filter keeps state from its config, pre-initialised for it.
+        let module = runtime
+            .prepare(&module, &postern_wasm::config_bytes(&attachment.config), &attachment.limits)
+            .map_err(|e| format!("filter {}: {e}", attachment.name))?;
         let stats = self.metrics.filter(route_id, &attachment.name);
         Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats)))
     }

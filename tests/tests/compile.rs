@@ -126,3 +126,34 @@ fn a_filter_failing_its_own_sample_cases_is_refused_at_compile() {
         "{err}"
     );
 }
+
+#[test]
+fn a_config_its_filter_refuses_is_refused_at_compile_with_the_filters_reason() {
+    let repo = Repo::new();
+    platform(&repo, &[("e", "127.0.0.1:9")]);
+    add_filter(&repo, "t", "header-injector", &filter_wasm("header-injector"), "{}");
+    let routes = |config: &str| {
+        repo.write(
+            "teams/t/routes.yaml",
+            &format!("routes:\n{}", route("tagged", "/tagged", "header-injector", config)),
+        );
+    };
+    let snap = repo.path().join("snapshot.json");
+    routes(", config: { set: { x-team: payments } }");
+    repo.compile_ok(&snap);
+    let before = std::fs::read(&snap).unwrap();
+
+    // The filter's `init` refuses the config: the route is refused, not every request.
+    routes(", config: { set: { X-Team: payments } }");
+    let out = repo.compile(&snap);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "teams/t/routes.yaml: routes[0].wasmFilters[0].config: filter header-injector: the filter refused its \
+             config: invalid config: set: \"X-Team\" is not a lowercase header name (owner: t)"
+        ),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&snap).unwrap(), before, "a refused config must not touch the published snapshot");
+}

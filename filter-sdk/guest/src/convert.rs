@@ -67,7 +67,7 @@ impl From<ResponseEdits> for wit::ResponseEdits {
 
 /// With `std`, sends a panic's message to the gateway's log before the instance traps
 /// (without it, the SDK's panic handler does).
-fn init() {
+fn panic_hook() {
     #[cfg(all(target_arch = "wasm32", feature = "std"))]
     {
         static HOOK: std::sync::Once = std::sync::Once::new();
@@ -79,20 +79,35 @@ fn init() {
     }
 }
 
+/// `init`, for [`Filter::init`]: `Ok(true)` when it left state worth keeping (a
+/// [`crate::ParsedConfig`] made its value), so the gateway pre-initialises the module.
+pub fn init<F: Filter>(config: Vec<u8>) -> Result<bool, String> {
+    panic_hook();
+    #[cfg(target_arch = "wasm32")]
+    crate::host::call_config::set(config);
+    #[cfg(not(target_arch = "wasm32"))]
+    crate::testing::set_config(config);
+    F::init()?;
+    #[cfg(target_arch = "wasm32")]
+    return Ok(crate::host::call_config::prepared());
+    #[cfg(not(target_arch = "wasm32"))]
+    return Ok(false);
+}
+
 /// `on-request`, for [`Filter::on_request`].
 pub fn on_request<F: Filter>(req: wit::Request, cx: wit::Context) -> wit::Decision {
-    init();
+    panic_hook();
     F::on_request(&req.into(), &context(cx)).into()
 }
 
 /// `on-request-body`, for [`Filter::on_request_body`].
 pub fn on_request_body<F: Filter>(req: wit::Request, body: Vec<u8>, cx: wit::Context) -> wit::Decision {
-    init();
+    panic_hook();
     F::on_request_body(&req.into(), &body, &context(cx)).into()
 }
 
 /// `on-response`, for [`Filter::on_response`].
 pub fn on_response<F: Filter>(resp: wit::ResponseHead, cx: wit::Context) -> wit::ResponseEdits {
-    init();
+    panic_hook();
     F::on_response(&resp.into(), &context(cx)).into()
 }

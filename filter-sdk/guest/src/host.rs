@@ -163,6 +163,86 @@ pub(crate) mod call_config {
     pub(crate) fn get() -> Vec<u8> {
         CONFIG.0.try_borrow().map(|c| c.clone()).unwrap_or_default()
     }
+
+    struct Flag(core::cell::Cell<bool>);
+
+    // SAFETY: as `Slot`.
+    unsafe impl Sync for Flag {}
+
+    static PREPARED: Flag = Flag(core::cell::Cell::new(false));
+
+    /// A [`crate::ParsedConfig`] made its value in this instance.
+    pub(crate) fn mark_prepared() {
+        PREPARED.0.set(true);
+    }
+
+    /// Whether a [`crate::ParsedConfig`] made its value in this instance.
+    pub(crate) fn prepared() -> bool {
+        PREPARED.0.get()
+    }
+}
+
+/// State a filter derives from its config once per attachment, e.g. the config parsed:
+/// in a `static`, filled by [`Filter::init`](crate::Filter::init) when the gateway
+/// builds its snapshot. The gateway then pre-initialises the module for that
+/// attachment, so every request's fresh instance starts with the value already made
+/// and the per-request cost of parsing is gone. Without `init` (or where it did not
+/// run) the value is made on first use in each instance.
+///
+/// ```
+/// use postern_filter_sdk::{ParsedConfig, testing};
+///
+/// static TENANTS: ParsedConfig<Vec<String>> =
+///     ParsedConfig::new(|bytes| serde_json::from_slice(bytes).map_err(|e| e.to_string()));
+///
+/// testing::set_config(r#"["acme", "globex"]"#);
+/// assert_eq!(TENANTS.with(|t| t.map(Vec::len).map_err(str::len)), Ok(2));
+/// ```
+///
+/// Natively (in a filter's unit tests) nothing is kept: each use parses the config
+/// that [`testing::set_config`](crate::testing::set_config) set, so tests may change it.
+pub struct ParsedConfig<T: 'static> {
+    parse: fn(&[u8]) -> Result<T, String>,
+    #[cfg(target_arch = "wasm32")]
+    value: core::cell::OnceCell<Result<T, String>>,
+}
+
+// SAFETY: a filter instance has one thread (wasm32 without the threads proposal), so
+// the cell is never reached from two threads; natively the value holds nothing.
+unsafe impl<T> Sync for ParsedConfig<T> {}
+
+impl<T> ParsedConfig<T> {
+    /// A value that `parse` makes from the attachment's config bytes.
+    pub const fn new(parse: fn(&[u8]) -> Result<T, String>) -> Self {
+        ParsedConfig {
+            parse,
+            #[cfg(target_arch = "wasm32")]
+            value: core::cell::OnceCell::new(),
+        }
+    }
+
+    /// Runs `f` with the value, or with why the config was refused.
+    pub fn with<R>(&self, f: impl FnOnce(Result<&T, &str>) -> R) -> R {
+        #[cfg(target_arch = "wasm32")]
+        {
+            let v = self.value.get_or_init(|| {
+                call_config::mark_prepared();
+                (self.parse)(&config())
+            });
+            f(v.as_ref().map_err(String::as_str))
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let v = (self.parse)(&config());
+            f(v.as_ref().map_err(String::as_str))
+        }
+    }
+
+    /// Makes the value now, for [`Filter::init`](crate::Filter::init), which calls this
+    /// for each of its values: the error says why the config was refused.
+    pub fn prepare(&self) -> Result<(), String> {
+        self.with(|v| v.map(drop).map_err(ToOwned::to_owned))
+    }
 }
 
 /// This attachment's config, parsed from JSON into `T`.
@@ -181,11 +261,16 @@ pub(crate) mod call_config {
 /// assert_eq!(cfg.tenants, ["acme"]);
 /// ```
 pub fn config_json<T: serde::de::DeserializeOwned>() -> Result<T, String> {
-    let bytes = config();
+    parse_config_json(&config())
+}
+
+/// Config `bytes` parsed from JSON into `T`, as [`config_json`] does: for the parse
+/// function of a [`ParsedConfig`].
+pub fn parse_config_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err("no config".to_owned());
     }
-    serde_json::from_slice(&bytes).map_err(|e| format!("invalid config: {e}"))
+    serde_json::from_slice(bytes).map_err(|e| format!("invalid config: {e}"))
 }
 
 #[cfg(test)]

@@ -120,7 +120,7 @@ pub mod testing;
 mod types;
 
 pub use decision::{Decision, Reply, RequestEdits, ResponseEdits};
-pub use host::{Level, config, config_json, counter_add, log, now_nanos};
+pub use host::{Level, ParsedConfig, config, config_json, counter_add, log, now_nanos, parse_config_json};
 pub use types::{Context, Fields, Identity, Request, ResponseHead};
 
 /// `serde_json`, re-exported for [`Decision::json`] and config parsing.
@@ -139,8 +139,8 @@ pub use serde_json;
 /// dependency that does) enables the SDK's `std` feature and drops `#![no_std]`.
 pub mod prelude {
     pub use crate::{
-        Context, Decision, Fields, Filter, Identity, Level, Reply, Request, RequestEdits, ResponseEdits, ResponseHead,
-        config, config_json, counter_add, export_filter, log, now_nanos,
+        Context, Decision, Fields, Filter, Identity, Level, ParsedConfig, Reply, Request, RequestEdits, ResponseEdits,
+        ResponseHead, config, config_json, counter_add, export_filter, log, now_nanos, parse_config_json,
     };
     pub use alloc::borrow::ToOwned;
     pub use alloc::boxed::Box;
@@ -166,7 +166,8 @@ pub mod bindings {
 
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::convert::{on_request, on_request_body, on_response};
+    pub use crate::convert::{init, on_request, on_request_body, on_response};
+    pub use alloc::string::String;
     pub use alloc::vec::Vec;
 }
 
@@ -176,6 +177,16 @@ pub mod __private {
 /// nothing". There is no `self`: every request runs in a fresh instance, so there is
 /// no state to keep. Export the type with [`export_filter!`].
 pub trait Filter {
+    /// Runs once per attachment when the gateway builds its snapshot, with the
+    /// attachment's [`config`]: checks it, and prepares what every request needs from it
+    /// with [`ParsedConfig::prepare`]. The gateway then pre-initialises the module for
+    /// that attachment: each request's fresh instance starts with those values made. An
+    /// error refuses the attachment, and with it the snapshot (`posternctl compile`
+    /// says why), instead of failing every request. By default, nothing to check.
+    fn init() -> Result<(), alloc::string::String> {
+        Ok(())
+    }
+
     /// Request phase: runs on every request of the routes the filter is attached to.
     fn on_request(req: &Request, cx: &Context) -> Decision;
 
@@ -193,8 +204,8 @@ pub trait Filter {
     }
 }
 
-/// Exports a [`Filter`] as the component's `on-request`, `on-request-body` and
-/// `on-response`.
+/// Exports a [`Filter`] as the component's `init`, `on-request`, `on-request-body`
+/// and `on-response`.
 ///
 /// `export_filter!(MyFilter);` implements the generated `bindings::Guest` trait for
 /// `MyFilter` (converting between the WIT types and the SDK's) and, on `wasm32`,
@@ -204,6 +215,10 @@ pub trait Filter {
 macro_rules! export_filter {
     ($ty:ident) => {
         impl $crate::bindings::Guest for $ty {
+            fn init(config: $crate::__private::Vec<u8>) -> ::core::result::Result<bool, $crate::__private::String> {
+                $crate::__private::init::<$ty>(config)
+            }
+
             fn on_request(
                 req: $crate::bindings::Request,
                 cx: $crate::bindings::Context,

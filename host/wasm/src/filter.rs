@@ -89,6 +89,14 @@ pub struct Attachment {
     pub quarantine: QuarantinePolicy,
 }
 
+/// The bytes a filter gets as its config: the attachment's JSON, or nothing.
+pub fn config_bytes(config: &serde_json::Value) -> Arc<[u8]> {
+    match config {
+        serde_json::Value::Null => Arc::from(&b""[..]),
+        v => Arc::from(serde_json::to_vec(v).unwrap_or_default()),
+    }
+}
+
 /// A built Wasm filter for one route.
 pub struct WasmFilter {
     runtime: Arc<Runtime>,
@@ -112,10 +120,7 @@ impl WasmFilter {
         route_id: &str,
         stats: Arc<FilterStats>,
     ) -> WasmFilter {
-        let config: Arc<[u8]> = match &attachment.config {
-            serde_json::Value::Null => Arc::from(&b""[..]),
-            v => Arc::from(serde_json::to_vec(v).unwrap_or_default()),
-        };
+        let config = config_bytes(&attachment.config);
         let tag: Arc<str> = Arc::from(format!("{}@{}", attachment.name, route_id));
         let binding = Binding { module, limits: attachment.limits, config, stats, tag };
         WasmFilter { runtime, binding, attachment, quarantine: Quarantine::default() }

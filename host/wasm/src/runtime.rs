@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -50,13 +50,13 @@ const SLICE_FUEL: u64 = 7_000_000;
 const FIBER_FOR_MS: u64 = 10_000;
 
 /// The filter world this gateway runs (`wit/filter.wit`).
-pub const WORLD: &str = "postern:filter@0.2.0";
+pub const WORLD: &str = "postern:filter@0.3.0";
 
 /// Interfaces a filter may import; anything else (filesystem, sockets, random, http,
 /// clocks) refuses the module when it is loaded.
 const ALLOWED_IMPORT_PREFIXES: &[&str] = &[
-    "postern:filter/host@0.2.",
-    "postern:filter/types@0.2.",
+    "postern:filter/host@0.3.",
+    "postern:filter/types@0.3.",
     "wasi:io/error@0.2.",
     "wasi:io/streams@0.2.",
     "wasi:io/poll@0.2.",
@@ -87,6 +87,12 @@ pub enum LoadError {
     /// Does not implement the `postern:filter/filter` world.
     #[error("does not implement the postern:filter world: {0}")]
     World(String),
+    /// The filter's `init` refused the attachment's config.
+    #[error("the filter refused its config: {0}")]
+    Config(String),
+    /// The filter's `init` failed (trapped, ran out of fuel or time).
+    #[error("the filter's init failed: {0}")]
+    Init(String),
     /// The bytes do not hash to the expected digest.
     #[error("digest mismatch: expected {expected}, got {actual}")]
     Digest {
@@ -286,12 +292,18 @@ pub struct Module {
     pub digest: String,
     pre: InstancePre<State>,
     exports: Exports,
+    /// The component, for pre-initialising it ([`Runtime::prepare`]).
+    bytes: Arc<[u8]>,
+    /// The component instrumented for a snapshot of its state, compiled on first need,
+    /// and where its `init` is.
+    instrumented: OnceLock<Result<(InstancePre<State>, ComponentExportIndex), String>>,
 }
 
 /// Where the world's exports are in a module's instances: looked up and typechecked
 /// against the WIT once, when the module is loaded.
 #[derive(Debug, Clone)]
 struct Exports {
+    init: ComponentExportIndex,
     on_request: ComponentExportIndex,
     on_request_body: ComponentExportIndex,
     on_response: ComponentExportIndex,
@@ -301,6 +313,8 @@ struct Exports {
 /// typechecks a module's exports against the WIT when it is loaded, and the test
 /// `the_call_signatures_are_the_wits` checks that these types are the WIT's, so each
 /// call can take its export without checking its type again.
+type Init<'a> = (&'a [u8],);
+type InitResult = (Result<bool, String>,);
 type OnRequest<'a> = (types::Request<'a>, types::Context<'a>);
 type OnRequestBody<'a> = (types::Request<'a>, &'a [u8], types::Context<'a>);
 type OnResponse<'a> = (types::ResponseHead<'a>, types::Context<'a>);
@@ -311,11 +325,16 @@ impl std::fmt::Debug for Module {
     }
 }
 
+/// A module's digest and its config's SHA-256.
+type PreparedKey = (String, [u8; 32]);
+
 /// The process's Wasm runtime.
 pub struct Runtime {
     engine: Engine,
     linker: Linker<State>,
     modules: Mutex<HashMap<String, Arc<Module>>>,
+    /// Modules prepared for a config ([`Runtime::prepare`]).
+    prepared: Mutex<HashMap<PreparedKey, Arc<Module>>>,
     stop: Arc<AtomicBool>,
     /// Platform maxima.
     pub maxima: Limits,
@@ -426,6 +445,7 @@ impl Runtime {
             engine,
             linker,
             modules: Mutex::new(HashMap::new()),
+            prepared: Mutex::new(HashMap::new()),
             stop,
             maxima: cfg.maxima,
             metering: cfg.metering,
@@ -454,13 +474,140 @@ impl Runtime {
             component.get_export_index(None, name).ok_or_else(|| LoadError::World(format!("no export `{name}`")))
         };
         let exports = Exports {
+            init: index("init")?,
             on_request: index("on-request")?,
             on_request_body: index("on-request-body")?,
             on_response: index("on-response")?,
         };
-        let module = Arc::new(Module { digest: d.clone(), pre, exports });
+        let module = Arc::new(Module {
+            digest: d.clone(),
+            pre,
+            exports,
+            bytes: Arc::from(bytes),
+            instrumented: OnceLock::new(),
+        });
         self.modules.lock().unwrap_or_else(|p| p.into_inner()).insert(d, module.clone());
         Ok(module)
+    }
+
+    /// `module` ready for an attachment with `config` and `limits`: runs the filter's
+    /// `init` with the config, which may refuse it ([`LoadError::Config`]). When `init`
+    /// left state worth keeping (e.g. the config parsed), the module is pre-initialised:
+    /// its memory and globals as `init` left them become the starting state of every
+    /// instance (a new component, compiled and cached like any module), so no request
+    /// pays for that work again. A module that cannot be snapshotted (it mutates tables)
+    /// is used as it is. Runs `init` under the platform's fuel and time maxima and the
+    /// attachment's memory limit; results are kept by module and config. Never call on
+    /// the request path.
+    pub fn prepare(&self, module: &Arc<Module>, config: &[u8], limits: &Limits) -> Result<Arc<Module>, LoadError> {
+        let key = (module.digest.clone(), <[u8; 32]>::from(Sha256::digest(config)));
+        if let Some(m) = self.prepared.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(m.clone());
+        }
+        let binding = self.init_binding(module, config, limits);
+        let prepared = match self.init(&binding)? {
+            false => module.clone(),
+            true => match self.snapshot(&binding) {
+                Ok(bytes) => self.load(&bytes, None)?,
+                Err(e) => {
+                    tracing::warn!(module = %module.digest, "filter not pre-initialised, used as it is: {e}");
+                    module.clone()
+                }
+            },
+        };
+        self.prepared.lock().unwrap_or_else(|p| p.into_inner()).insert(key, prepared.clone());
+        Ok(prepared)
+    }
+
+    /// Runs the filter's `init` on `config`, as [`Self::prepare`] does, without keeping
+    /// anything: `Ok(true)` if it would be pre-initialised. For the control plane's
+    /// checks.
+    pub fn check_config(&self, module: &Arc<Module>, config: &[u8], limits: &Limits) -> Result<bool, LoadError> {
+        self.init(&self.init_binding(module, config, limits))
+    }
+
+    /// The binding `init` runs with: the platform's fuel and time maxima (it does not
+    /// run on the request path) and the attachment's memory limit (its state must fit
+    /// the requests' memory).
+    fn init_binding(&self, module: &Arc<Module>, config: &[u8], limits: &Limits) -> Binding {
+        Binding {
+            module: module.clone(),
+            limits: Limits { fuel: self.maxima.fuel, deadline_ms: self.maxima.deadline_ms, ..*limits },
+            config: Arc::from(config),
+            stats: Arc::new(FilterStats::default()),
+            tag: Arc::from(format!("init of {}", module.digest)),
+        }
+    }
+
+    /// Runs `init` with the binding's config in a fresh instance of the module: whether
+    /// it left state worth keeping.
+    fn init(&self, b: &Binding) -> Result<bool, LoadError> {
+        let mut store = self.init_store(b);
+        let (_, answer) =
+            self.call_init(&mut store, b, &b.module.pre, &b.module.exports.init).map_err(LoadError::Init)?;
+        store.data_mut().commit();
+        answer.map_err(LoadError::Config)
+    }
+
+    /// A store for `init`: the binding's limits, but all of its fuel at once (not a
+    /// slice), since it does not run on a worker.
+    fn init_store(&self, b: &Binding) -> Store<State> {
+        let mut store = self.store(b, Instant::now(), false);
+        if self.metering {
+            let _ = store.set_fuel(b.limits.fuel);
+            store.data_mut().fuel = b.limits.fuel;
+        }
+        store
+    }
+
+    /// Instantiates `pre` in `store` and calls its `init` (at `init`) with the binding's
+    /// config: the instance and the filter's answer, or why the call failed.
+    fn call_init(
+        &self,
+        store: &mut Store<State>,
+        b: &Binding,
+        pre: &InstancePre<State>,
+        init: &ComponentExportIndex,
+    ) -> Result<(wasmtime::component::Instance, Result<bool, String>), String> {
+        let failed = |e: wasmtime::Error, store: &Store<State>, fallback| {
+            classify(&e, store.data(), fallback).as_str().to_owned()
+        };
+        let instance = pre.instantiate(&mut *store).map_err(|e| failed(e, store, Outcome::Instantiate))?;
+        // Checked (not the hot path), as the instrumented component's `init` was not.
+        let (answer,) = instance
+            .get_typed_func::<Init<'_>, InitResult>(&mut *store, init)
+            .and_then(|f| f.call(&mut *store, (&b.config,)))
+            .map_err(|e| failed(e, store, Outcome::Trap))?;
+        Ok((instance, answer))
+    }
+
+    /// The binding's module pre-initialised by its `init` with the binding's config: the
+    /// bytes of the new component.
+    fn snapshot(&self, b: &Binding) -> Result<Vec<u8>, String> {
+        let module = &b.module;
+        let mut wizer = wasmtime_wizer::Wizer::new();
+        // The typecheck of a loaded module wants every export of the world.
+        wizer.init_func("init").keep_init_func(true);
+        let (cx, instrumented) = wizer.instrument_component(&module.bytes).map_err(|e| format!("{e:#}"))?;
+        let pre = module
+            .instrumented
+            .get_or_init(|| {
+                let c = Component::new(&self.engine, &instrumented).map_err(|e| format!("{e:#}"))?;
+                let init = c.get_export_index(None, "init").ok_or("the instrumented component has no `init`")?;
+                let pre = self.linker.instantiate_pre(&c).map_err(|e| format!("{e:#}"))?;
+                Ok((pre, init))
+            })
+            .clone()?;
+        let mut store = self.init_store(b);
+        let (instance, _) = self.call_init(&mut store, b, &pre.0, &pre.1)?;
+        let mut state = Snapshot { store: &mut store, instance, failed: None };
+        let bytes = poll_once(wizer.snapshot_component(&cx, &mut state))
+            .ok_or("the snapshot did not finish at once")?
+            .map_err(|e| format!("{e:#}"))?;
+        match state.failed {
+            Some(e) => Err(e),
+            None => Ok(bytes),
+        }
     }
 
     /// A fresh store for one call that started at `start`. On the worker (`fiber` false)
@@ -752,6 +899,80 @@ fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) -> Outcome {
     }
 }
 
+/// An instrumented instance after `init`, as the snapshot reads it: each read calls an
+/// export that the instrumentation added. A read that fails is kept in `failed` (the
+/// trait has no error path) and fails the snapshot.
+struct Snapshot<'a> {
+    store: &'a mut Store<State>,
+    instance: wasmtime::component::Instance,
+    failed: Option<String>,
+}
+
+impl Snapshot<'_> {
+    fn read<R: wasmtime::component::ComponentType + Lift + Default + Send + Sync + 'static>(
+        &mut self,
+        interface: &str,
+        func: &str,
+    ) -> R {
+        let store = &mut *self.store;
+        let result = (|| {
+            let (_, i) = self.instance.get_export(&mut *store, None, interface)?;
+            let (_, f) = self.instance.get_export(&mut *store, Some(&i), func)?;
+            let f = self.instance.get_typed_func::<(), (R,)>(&mut *store, f).ok()?;
+            f.call(&mut *store, ()).ok().map(|(r,)| r)
+        })();
+        result.unwrap_or_else(|| {
+            self.failed.get_or_insert_with(|| format!("reading {interface}#{func} failed"));
+            R::default()
+        })
+    }
+}
+
+impl wasmtime_wizer::ComponentInstanceState for Snapshot<'_> {
+    async fn call_func_ret_list_u8(&mut self, instance: &str, func: &str, contents: impl FnOnce(&[u8]) + Send) {
+        let store = &mut *self.store;
+        let result = (|| {
+            let (_, i) = self.instance.get_export(&mut *store, None, instance)?;
+            let (_, f) = self.instance.get_export(&mut *store, Some(&i), func)?;
+            let f = self.instance.get_typed_func::<(), (wasmtime::component::WasmList<u8>,)>(&mut *store, f).ok()?;
+            f.call(&mut *store, ()).ok().map(|(r,)| r)
+        })();
+        match result {
+            Some(list) => contents(list.as_le_slice(&*store)),
+            None => {
+                self.failed.get_or_insert_with(|| format!("reading {instance}#{func} failed"));
+                contents(&[]);
+            }
+        }
+    }
+
+    async fn call_func_ret_s32(&mut self, instance: &str, func: &str) -> i32 {
+        self.read(instance, func)
+    }
+
+    async fn call_func_ret_s64(&mut self, instance: &str, func: &str) -> i64 {
+        self.read(instance, func)
+    }
+
+    async fn call_func_ret_f32(&mut self, instance: &str, func: &str) -> u32 {
+        self.read::<f32>(instance, func).to_bits()
+    }
+
+    async fn call_func_ret_f64(&mut self, instance: &str, func: &str) -> u64 {
+        self.read::<f64>(instance, func).to_bits()
+    }
+}
+
+/// Polls `f` once: `None` if it is not ready. The snapshot's future never waits (every
+/// call it makes is synchronous), so one poll finishes it.
+fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    match f.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
@@ -820,12 +1041,12 @@ pub(crate) mod tests {
 
     #[test]
     fn imports_beyond_the_grant_are_refused_and_an_old_world_is_named() {
-        let ok = ["postern:filter/host@0.2.0", "wasi:cli/stdout@0.2.6", "wasi:io/streams@0.2.6"];
+        let ok = ["postern:filter/host@0.3.0", "wasi:cli/stdout@0.2.6", "wasi:io/streams@0.2.6"];
         assert!(check_imports(ok.into_iter()).is_ok());
-        let err = check_imports(["wasi:io/error@0.2.6", "postern:filter/host@0.1.0"].into_iter()).unwrap_err();
+        let err = check_imports(["wasi:io/error@0.2.6", "postern:filter/host@0.2.0"].into_iter()).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "built for postern:filter@0.1.0, but this gateway runs postern:filter@0.2.0: \
+            "built for postern:filter@0.2.0, but this gateway runs postern:filter@0.3.0: \
              rebuild it with the current filter SDK"
         );
         let err = check_imports(["wasi:filesystem/types@0.2.6", "wasi:io/error@0.2.6"].into_iter()).unwrap_err();
@@ -833,7 +1054,7 @@ pub(crate) mod tests {
         // The world this file names is the WIT's.
         let wit = include_str!("../../../wit/filter.wit");
         assert!(wit.contains(&format!("package {WORLD};")));
-        // And the imports granted are that world's: `postern:filter/host@0.2.` for 0.2.0.
+        // And the imports granted are that world's: `postern:filter/host@0.3.` for 0.3.0.
         let version = WORLD.trim_start_matches("postern:filter@");
         let minor = &version[..=version.rfind('.').unwrap()];
         for interface in ["host", "types"] {
@@ -850,6 +1071,7 @@ pub(crate) mod tests {
         let mut store = rt.store(&b, Instant::now(), false);
         let instance = b.module.pre.instantiate(&mut store).unwrap();
         let exports = &b.module.exports;
+        instance.get_typed_func::<Init<'_>, InitResult>(&mut store, &exports.init).unwrap();
         instance.get_typed_func::<OnRequest<'_>, (types::Decision,)>(&mut store, &exports.on_request).unwrap();
         instance.get_typed_func::<OnRequestBody<'_>, (types::Decision,)>(&mut store, &exports.on_request_body).unwrap();
         instance.get_typed_func::<OnResponse<'_>, (types::ResponseEdits,)>(&mut store, &exports.on_response).unwrap();
@@ -857,6 +1079,46 @@ pub(crate) mod tests {
         assert!(
             instance.get_typed_func::<OnResponse<'_>, (types::Decision,)>(&mut store, &exports.on_response).is_err()
         );
+    }
+
+    #[test]
+    fn a_filter_that_parses_its_config_in_init_is_pre_initialised_and_does_less_per_call() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let config = r#"{"set": {"x-team": "payments"}}"#;
+        let plain = binding(&rt, "header_injector", config, Limits::default());
+        let prepared = rt.prepare(&plain.module, config.as_bytes(), &plain.limits).unwrap();
+        assert_ne!(prepared.digest, plain.module.digest, "a new component, with the config parsed in its memory");
+        let pre = Binding { module: prepared.clone(), ..plain.clone() };
+        let (a, b) = (call(&rt, &plain), call(&rt, &pre));
+        assert_eq!(set_header(a.result.as_ref().unwrap(), "x-team").as_deref(), Some("payments"));
+        assert_eq!(set_header(b.result.as_ref().unwrap(), "x-team").as_deref(), Some("payments"));
+        assert!(b.fuel * 2 < a.fuel, "no parse per call: {} fuel pre-initialised, {} not", b.fuel, a.fuel);
+        // Kept by module and config: the second time costs nothing.
+        assert!(Arc::ptr_eq(&rt.prepare(&plain.module, config.as_bytes(), &plain.limits).unwrap(), &prepared));
+        // Each instance still starts fresh: the state a call leaves is not seen by the next.
+        let ks = binding(&rt, "keeps_state", "", Limits::default());
+        let prepared = rt.prepare(&ks.module, b"", &ks.limits).unwrap();
+        assert!(!Arc::ptr_eq(&prepared, &ks.module), "keeps_state prepares a value in init");
+        let ks = Binding { module: prepared, ..ks };
+        for _ in 0..3 {
+            assert_eq!(set_header(call(&rt, &ks).result.as_ref().unwrap(), "x-count").as_deref(), Some("1"));
+        }
+    }
+
+    #[test]
+    fn init_refuses_a_bad_config_and_a_filter_without_state_is_used_as_it_is() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let b = binding(&rt, "header_injector", "", Limits::default());
+        let err = rt.prepare(&b.module, br#"{"set": {"X-Upper": "v"}}"#, &b.limits).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            r#"the filter refused its config: invalid config: set: "X-Upper" is not a lowercase header name"#
+        );
+        assert!(matches!(rt.check_config(&b.module, b"not json", &b.limits), Err(LoadError::Config(_))));
+        assert!(rt.check_config(&b.module, br#"{"remove": ["x-debug"]}"#, &b.limits).unwrap());
+        // A filter with no `init` of its own keeps nothing: the module is used as it is.
+        let wb = binding(&rt, "well_behaved", "", Limits::default());
+        assert!(Arc::ptr_eq(&rt.prepare(&wb.module, b"{}", &wb.limits).unwrap(), &wb.module));
     }
 
     #[test]

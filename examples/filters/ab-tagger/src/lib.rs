@@ -18,9 +18,11 @@
 //! the client sent) and adds 1 to the counter `arm_<arm>`.
 //!
 //! A request without the key header is not assigned: any client-sent `x-experiment`
-//! is removed and `no_key` is counted. Tagging is not a security control, so a bad
-//! config fails open: the request is forwarded untagged (client `x-experiment`
-//! removed), an error is logged and `misconfigured` is counted.
+//! is removed and `no_key` is counted. The config is parsed once per attachment, in
+//! `init`, and an invalid one is refused when the gateway builds its snapshot. Where
+//! `init` did not run, tagging being no security control, a bad config fails open: the
+//! request is forwarded untagged (client `x-experiment` removed), an error is logged
+//! and `misconfigured` is counted.
 #![no_std]
 
 use postern_filter_sdk::prelude::*;
@@ -53,9 +55,9 @@ fn valid_label(s: &str) -> bool {
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
 }
 
-/// Loads and checks the config.
-pub fn load_config() -> Result<Config, String> {
-    let cfg: Config = config_json()?;
+/// Parses and checks a config.
+pub fn parse_config(bytes: &[u8]) -> Result<Config, String> {
+    let cfg: Config = parse_config_json(bytes)?;
     if !valid_label(&cfg.experiment) {
         return Err(format!("invalid config: experiment {:?} must be 1-64 of [A-Za-z0-9._-]", cfg.experiment));
     }
@@ -103,27 +105,39 @@ pub fn assign<'a>(experiment: &str, arms: &'a [String], key: &[u8]) -> &'a str {
     &arms[index]
 }
 
+/// The config, parsed once per attachment (in `init`, when the gateway builds its
+/// snapshot).
+static CONFIG: ParsedConfig<Config> = ParsedConfig::new(parse_config);
+
 impl Filter for AbTagger {
+    fn init() -> Result<(), String> {
+        CONFIG.prepare()
+    }
+
     fn on_request(req: &Request, _cx: &Context) -> Decision {
-        let cfg = match load_config() {
-            Ok(cfg) => cfg,
+        CONFIG.with(|cfg| match cfg {
+            Ok(cfg) => tag(cfg, req),
             Err(e) => {
                 log::error(e);
                 counter_add("misconfigured", 1);
-                return Decision::forward().remove_header("x-experiment");
+                Decision::forward().remove_header("x-experiment")
             }
-        };
-        let key = match req.header(&cfg.key_header) {
-            Some(key) if !key.is_empty() => key,
-            _ => {
-                counter_add("no_key", 1);
-                return Decision::forward().remove_header("x-experiment");
-            }
-        };
-        let arm = assign(&cfg.experiment, &cfg.arms, key);
-        counter_add(&format!("arm_{arm}"), 1);
-        Decision::forward().set_header("x-experiment", format!("{}={arm}", cfg.experiment))
+        })
     }
+}
+
+/// Assigns the caller to an arm and tags the request with it.
+fn tag(cfg: &Config, req: &Request) -> Decision {
+    let key = match req.header(&cfg.key_header) {
+        Some(key) if !key.is_empty() => key,
+        _ => {
+            counter_add("no_key", 1);
+            return Decision::forward().remove_header("x-experiment");
+        }
+    };
+    let arm = assign(&cfg.experiment, &cfg.arms, key);
+    counter_add(&format!("arm_{arm}"), 1);
+    Decision::forward().set_header("x-experiment", format!("{}={arm}", cfg.experiment))
 }
 
 export_filter!(AbTagger);

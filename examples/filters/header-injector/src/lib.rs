@@ -7,9 +7,10 @@
 //! {"set": {"x-team": "payments", "x-env": "prod"}, "remove": ["x-debug"]}
 //! ```
 //!
-//! A name may not be both set and removed. An invalid config fails every request
-//! with 500 `{"code":"filter_misconfigured"}` and an error log line, so the mistake
-//! is seen at once rather than half-applied.
+//! A name may not be both set and removed. An invalid config is refused when the
+//! gateway builds its snapshot (`init`); where `init` did not run, it fails every
+//! request with 500 `{"code":"filter_misconfigured"}` and an error log line, so the
+//! mistake is seen at once rather than half-applied.
 #![no_std]
 
 extern crate alloc;
@@ -71,23 +72,33 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config, String> {
     Ok(cfg)
 }
 
+/// The config, parsed once per attachment (in `init`, when the gateway builds its
+/// snapshot): each request starts with it parsed.
+static CONFIG: ParsedConfig<Config> = ParsedConfig::new(parse_config);
+
 impl Filter for HeaderInjector {
+    fn init() -> Result<(), String> {
+        CONFIG.prepare()
+    }
+
     fn on_request(_req: &Request, _cx: &Context) -> Decision {
-        let cfg = match parse_config(&config()) {
-            Ok(cfg) => cfg,
-            Err(e) => {
-                log::error(e);
-                return Decision::respond(500).json(json!({"code": "filter_misconfigured"}));
+        CONFIG.with(|cfg| {
+            let cfg = match cfg {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    log::error(e);
+                    return Decision::respond(500).json(json!({"code": "filter_misconfigured"}));
+                }
+            };
+            let mut decision = Decision::forward();
+            for name in &cfg.remove {
+                decision = decision.remove_header(name);
             }
-        };
-        let mut decision = Decision::forward();
-        for name in &cfg.remove {
-            decision = decision.remove_header(name);
-        }
-        for (name, value) in &cfg.set {
-            decision = decision.set_header(name, value);
-        }
-        decision
+            for (name, value) in &cfg.set {
+                decision = decision.set_header(name, value);
+            }
+            decision
+        })
     }
 
     fn on_response(_resp: &ResponseHead, _cx: &Context) -> ResponseEdits {
@@ -125,6 +136,15 @@ mod tests {
         assert!(d.edits().expect("forwarded").is_empty());
         testing::set_config("{}");
         assert!(run().edits().expect("forwarded").is_empty());
+    }
+
+    #[test]
+    fn init_checks_the_config() {
+        testing::set_config(r#"{"set": {"x-team": "payments"}}"#);
+        assert_eq!(HeaderInjector::init(), Ok(()));
+        testing::set_config(r#"{"set": {"X-Upper": "v"}}"#);
+        let err = HeaderInjector::init().unwrap_err();
+        assert!(err.contains("\"X-Upper\" is not a lowercase header name"), "{err}");
     }
 
     #[test]

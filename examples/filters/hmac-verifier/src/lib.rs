@@ -29,7 +29,9 @@
 //! captured request can be replayed. Enforce a replay window elsewhere (for example
 //! in the backend, which has a clock) until the host offers wall time.
 //!
-//! An invalid config (no `secret`, unknown keys) fails every request with 500
+//! The config is parsed and the key schedule made once per attachment, in `init`. An
+//! invalid config (no `secret`, unknown keys) is refused when the gateway builds its
+//! snapshot; where `init` did not run, it fails every request with 500
 //! `{"code":"filter_misconfigured"}`: a verifier must never fail open.
 #![no_std]
 
@@ -58,16 +60,38 @@ pub struct Config {
     pub require_body_signature: bool,
 }
 
-fn load_config() -> Result<Config, Decision> {
-    let cfg: Config = config_json().map_err(|e| {
-        log::error(e);
-        misconfigured()
-    })?;
-    if cfg.secret.is_empty() {
-        log::error("invalid config: secret is empty");
-        return Err(misconfigured());
+/// The config, with the HMAC key schedule made from its secret.
+pub struct Prepared {
+    cfg: Config,
+    mac: HmacSha256,
+}
+
+/// Parses and checks a config, and keys the MAC.
+pub fn prepare(bytes: &[u8]) -> Result<Prepared, String> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err("no config".to_owned());
     }
-    Ok(cfg)
+    let cfg: Config = postern_filter_sdk::serde_json::from_slice(bytes).map_err(|e| format!("invalid config: {e}"))?;
+    if cfg.secret.is_empty() {
+        return Err("invalid config: secret is empty".to_owned());
+    }
+    let mac = HmacSha256::new_from_slice(cfg.secret.as_bytes()).map_err(|_| "invalid config: secret".to_owned())?;
+    Ok(Prepared { cfg, mac })
+}
+
+/// The config, prepared once per attachment (in `init`, when the gateway builds its
+/// snapshot).
+static CONFIG: ParsedConfig<Prepared> = ParsedConfig::new(prepare);
+
+/// Runs `f` with the prepared config; a bad one is logged and answered with 500.
+fn with_config(f: impl FnOnce(&Prepared) -> Decision) -> Decision {
+    CONFIG.with(|p| match p {
+        Ok(p) => f(p),
+        Err(e) => {
+            log::error(e);
+            misconfigured()
+        }
+    })
 }
 
 fn misconfigured() -> Decision {
@@ -114,9 +138,12 @@ fn nibble(c: u8) -> Option<u8> {
 /// Whether `signature` is the HMAC-SHA256 of the concatenated `parts` under `secret`,
 /// compared in constant time.
 pub fn verify(secret: &[u8], parts: &[&[u8]], signature: &[u8; 32]) -> bool {
-    let Ok(mut mac) = HmacSha256::new_from_slice(secret) else {
-        return false;
-    };
+    HmacSha256::new_from_slice(secret).is_ok_and(|mac| verify_with(&mac, parts, signature))
+}
+
+/// [`verify`] with the MAC already keyed.
+fn verify_with(keyed: &HmacSha256, parts: &[&[u8]], signature: &[u8; 32]) -> bool {
+    let mut mac = keyed.clone();
     for part in parts {
         mac.update(part);
     }
@@ -124,53 +151,59 @@ pub fn verify(secret: &[u8], parts: &[&[u8]], signature: &[u8; 32]) -> bool {
 }
 
 impl Filter for HmacVerifier {
+    fn init() -> Result<(), String> {
+        CONFIG.prepare()
+    }
+
     fn on_request(req: &Request, _cx: &Context) -> Decision {
-        let cfg = match load_config() {
-            Ok(cfg) => cfg,
-            Err(d) => return d,
-        };
-        let ts = match timestamp(req) {
-            Ok(ts) => ts,
-            Err(reason) => return reject(reason),
-        };
-        let Some(sig) = req.header("x-signature") else {
-            return reject("missing x-signature");
-        };
-        let Some(sig) = parse_signature(sig) else {
-            return reject("x-signature is not sha256=<64 hex digits>");
-        };
-        let message: [&[u8]; 5] = [ts.as_bytes(), b".", req.method.as_bytes(), b".", req.path.as_bytes()];
-        if !verify(cfg.secret.as_bytes(), &message, &sig) {
-            return reject("x-signature does not match");
-        }
-        counter_add("valid_signature", 1);
-        Decision::forward()
+        with_config(|p| check_head(req, p))
     }
 
     fn on_request_body(req: &Request, body: &[u8], _cx: &Context) -> Decision {
-        let cfg = match load_config() {
-            Ok(cfg) => cfg,
-            Err(d) => return d,
-        };
-        let Some(sig) = req.header("x-signature-body") else {
-            if cfg.require_body_signature {
-                return reject("missing x-signature-body");
-            }
-            return Decision::forward();
-        };
-        let ts = match timestamp(req) {
-            Ok(ts) => ts,
-            Err(reason) => return reject(reason),
-        };
-        let Some(sig) = parse_signature(sig) else {
-            return reject("x-signature-body is not sha256=<64 hex digits>");
-        };
-        if !verify(cfg.secret.as_bytes(), &[ts.as_bytes(), b".", body], &sig) {
-            return reject("x-signature-body does not match");
-        }
-        counter_add("valid_body_signature", 1);
-        Decision::forward()
+        with_config(|p| check_body(req, body, p))
     }
+}
+
+/// The request phase: the signature of the timestamp, method and path.
+fn check_head(req: &Request, p: &Prepared) -> Decision {
+    let ts = match timestamp(req) {
+        Ok(ts) => ts,
+        Err(reason) => return reject(reason),
+    };
+    let Some(sig) = req.header("x-signature") else {
+        return reject("missing x-signature");
+    };
+    let Some(sig) = parse_signature(sig) else {
+        return reject("x-signature is not sha256=<64 hex digits>");
+    };
+    let message: [&[u8]; 5] = [ts.as_bytes(), b".", req.method.as_bytes(), b".", req.path.as_bytes()];
+    if !verify_with(&p.mac, &message, &sig) {
+        return reject("x-signature does not match");
+    }
+    counter_add("valid_signature", 1);
+    Decision::forward()
+}
+
+/// The body phase: the signature of the timestamp and body, if there is one.
+fn check_body(req: &Request, body: &[u8], p: &Prepared) -> Decision {
+    let Some(sig) = req.header("x-signature-body") else {
+        if p.cfg.require_body_signature {
+            return reject("missing x-signature-body");
+        }
+        return Decision::forward();
+    };
+    let ts = match timestamp(req) {
+        Ok(ts) => ts,
+        Err(reason) => return reject(reason),
+    };
+    let Some(sig) = parse_signature(sig) else {
+        return reject("x-signature-body is not sha256=<64 hex digits>");
+    };
+    if !verify_with(&p.mac, &[ts.as_bytes(), b".", body], &sig) {
+        return reject("x-signature-body does not match");
+    }
+    counter_add("valid_body_signature", 1);
+    Decision::forward()
 }
 
 export_filter!(HmacVerifier);

@@ -12,9 +12,10 @@
 //! exactly (case-sensitive). A request without an identity, or whose identity has no
 //! tenant, or whose tenant is not listed, is answered with 403
 //! `{"code":"tenant_not_allowed"}` and counted in `denied`; an allowed one is counted
-//! in `allowed`. An invalid config fails every request with 500
-//! `{"code":"filter_misconfigured"}` (an allowlist must never fail open); an empty
-//! list denies everyone.
+//! in `allowed`. The config is parsed once per attachment, in `init`: an invalid one
+//! is refused when the gateway builds its snapshot, and where `init` did not run it
+//! fails every request with 500 `{"code":"filter_misconfigured"}` (an allowlist must
+//! never fail open); an empty list denies everyone.
 #![no_std]
 
 use postern_filter_sdk::prelude::*;
@@ -38,27 +39,39 @@ fn deny(why: &str) -> Decision {
     Decision::respond(403).json(json!({"code": "tenant_not_allowed"}))
 }
 
+/// The config, parsed once per attachment (in `init`, when the gateway builds its
+/// snapshot).
+static CONFIG: ParsedConfig<Config> = ParsedConfig::new(parse_config_json);
+
 impl Filter for TenantAllowlist {
+    fn init() -> Result<(), String> {
+        CONFIG.prepare()
+    }
+
     fn on_request(_req: &Request, cx: &Context) -> Decision {
-        let cfg: Config = match config_json() {
-            Ok(cfg) => cfg,
+        CONFIG.with(|cfg| match cfg {
+            Ok(cfg) => check(cfg, cx),
             Err(e) => {
                 log::error(e);
-                return Decision::respond(500).json(json!({"code": "filter_misconfigured"}));
+                Decision::respond(500).json(json!({"code": "filter_misconfigured"}))
             }
-        };
-        let Some(identity) = &cx.identity else {
-            return deny("no verified caller");
-        };
-        let Some(tenant) = identity.tenant.as_deref() else {
-            return deny("the caller has no tenant");
-        };
-        if !cfg.tenants.iter().any(|t| t == tenant) {
-            return deny(&format!("{tenant:?} is not listed"));
-        }
-        counter_add("allowed", 1);
-        Decision::forward()
+        })
     }
+}
+
+/// Lets the caller through if its verified tenant is listed.
+fn check(cfg: &Config, cx: &Context) -> Decision {
+    let Some(identity) = &cx.identity else {
+        return deny("no verified caller");
+    };
+    let Some(tenant) = identity.tenant.as_deref() else {
+        return deny("the caller has no tenant");
+    };
+    if !cfg.tenants.iter().any(|t| t == tenant) {
+        return deny(&format!("{tenant:?} is not listed"));
+    }
+    counter_add("allowed", 1);
+    Decision::forward()
 }
 
 export_filter!(TenantAllowlist);
