@@ -45,8 +45,12 @@ fn bench(c: &mut Criterion) {
 
     for metering in [true, false] {
         let runtime = Runtime::new(&RuntimeConfig { metering, max_instances: 64, ..Default::default() }).unwrap();
+        // Each module prepared for its config as a node does: the HMAC verifier is
+        // pre-initialised with its config parsed and its MAC keyed.
         let bind = |module: &str, config: &'static [u8]| Binding {
-            module: runtime.load(&std::fs::read(module_path(module)).unwrap(), None).unwrap(),
+            module: runtime
+                .prepare(&runtime.load(&std::fs::read(module_path(module)).unwrap(), None).unwrap(), config, &limits)
+                .unwrap(),
             limits,
             config: Arc::from(config),
             stats: stats.clone(),

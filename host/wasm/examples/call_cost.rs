@@ -2,7 +2,10 @@
 //! on one thread (after 1,000 warm-up calls) and prints wall and CPU time per call.
 //!
 //! Run: `make filters && cargo run --release -p postern-wasm --example call_cost -- \
-//!       target/filters/wasm32-wasip2/release/well_behaved.wasm 200000`
+//!       target/filters/wasm32-wasip2/release/well_behaved.wasm 200000 [config]`
+//!
+//! The module is prepared for the config as a node prepares it (pre-initialised when
+//! its `init` keeps state); with `NO_PREPARE=1` it is used as it is.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic, clippy::print_stdout)]
 
 use std::sync::Arc;
@@ -30,9 +33,21 @@ fn main() {
     let config = args.get(3).map(String::as_bytes).unwrap_or_default();
     let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let runtime = Runtime::new(&RuntimeConfig { metering: true, max_instances: 64, ..Default::default() }).unwrap();
+    let limits = Limits { fuel: 50_000_000, deadline_ms: 50, ..Limits::default() };
+    let loaded = runtime.load(&std::fs::read(path).unwrap(), None).unwrap();
+    // Prepared for its config as a node does (pre-initialised if its `init` keeps state),
+    // unless NO_PREPARE is set.
+    let module = match std::env::var_os("NO_PREPARE") {
+        Some(_) => loaded.clone(),
+        None => runtime.prepare(&loaded, config, &limits).unwrap(),
+    };
+    let pre_initialised = !Arc::ptr_eq(&module, &loaded);
+    if let Some(out) = std::env::var_os("DUMP") {
+        std::fs::write(out, module.bytes()).unwrap();
+    }
     let b = Binding {
-        module: runtime.load(&std::fs::read(path).unwrap(), None).unwrap(),
-        limits: Limits { fuel: 50_000_000, deadline_ms: 50, ..Limits::default() },
+        module,
+        limits,
         config: Arc::from(config),
         stats: Arc::new(FilterStats::default()),
         tag: Arc::from("cost@t/r"),
@@ -63,7 +78,8 @@ fn main() {
     }
     let per = |s: f64| s * 1e6 / f64::from(n);
     println!(
-        "{path}: {:.2} µs wall, {:.2} µs CPU per call on the calling thread ({n} calls)",
+        "{path}{}: {:.2} µs wall, {:.2} µs CPU per call on the calling thread ({n} calls)",
+        if pre_initialised { " (pre-initialised)" } else { "" },
         per(wall.elapsed().as_secs_f64()),
         per(cpu_time() - cpu)
     );

@@ -319,6 +319,13 @@ type OnRequest<'a> = (types::Request<'a>, types::Context<'a>);
 type OnRequestBody<'a> = (types::Request<'a>, &'a [u8], types::Context<'a>);
 type OnResponse<'a> = (types::ResponseHead<'a>, types::Context<'a>);
 
+impl Module {
+    /// The component's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
 impl std::fmt::Debug for Module {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Module").field("digest", &self.digest).finish_non_exhaustive()
