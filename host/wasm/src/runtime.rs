@@ -576,8 +576,13 @@ impl Runtime {
         pre: &InstancePre<State>,
         init: &ComponentExportIndex,
     ) -> Result<(wasmtime::component::Instance, Result<bool, String>), String> {
+        // How it failed, with the guest's panic message if it panicked.
         let failed = |e: wasmtime::Error, store: &Store<State>, fallback| {
-            classify(&e, store.data(), fallback).as_str().to_owned()
+            let outcome = classify(&e, store.data(), fallback).as_str();
+            match store.data().logs.iter().find(|(_, m)| m.starts_with("filter panicked")) {
+                Some((_, m)) => format!("{outcome} ({m})"),
+                None => outcome.to_owned(),
+            }
         };
         let instance = pre.instantiate(&mut *store).map_err(|e| failed(e, store, Outcome::Instantiate))?;
         // Checked (not the hot path), as the instrumented component's `init` was not.
@@ -1123,6 +1128,16 @@ pub(crate) mod tests {
         );
         assert!(matches!(rt.check_config(&b.module, b"not json", &b.limits), Err(LoadError::Config(_))));
         assert!(rt.check_config(&b.module, br#"{"remove": ["x-debug"]}"#, &b.limits).unwrap());
+        // An `init` that fails (a panic here) refuses the attachment, saying how it failed.
+        let gp = binding(&rt, "guest_panic", "", Limits::default());
+        let err = rt.prepare(&gp.module, br#""init""#, &gp.limits).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.starts_with("the filter's init failed: guest_panic (filter panicked at guest-panic/src/lib.rs:"),
+            "{err}"
+        );
+        assert!(err.ends_with(": boom in init)"), "{err}");
+        assert!(Arc::ptr_eq(&rt.prepare(&gp.module, b"", &gp.limits).unwrap(), &gp.module));
         // A filter with no `init` of its own keeps nothing: the module is used as it is.
         let wb = binding(&rt, "well_behaved", "", Limits::default());
         assert!(Arc::ptr_eq(&rt.prepare(&wb.module, b"{}", &wb.limits).unwrap(), &wb.module));
