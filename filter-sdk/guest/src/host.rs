@@ -164,21 +164,18 @@ pub(crate) mod call_config {
         CONFIG.0.try_borrow().map(|c| c.clone()).unwrap_or_default()
     }
 
-    struct Flag(core::cell::Cell<bool>);
-
-    // SAFETY: as `Slot`.
-    unsafe impl Sync for Flag {}
-
-    static PREPARED: Flag = Flag(core::cell::Cell::new(false));
+    /// Whether a [`crate::ParsedConfig`] made its value in this instance (an atomic only
+    /// to be a safe `static`: on wasm32 without threads it is a plain load and store).
+    static PREPARED: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
 
     /// A [`crate::ParsedConfig`] made its value in this instance.
     pub(crate) fn mark_prepared() {
-        PREPARED.0.set(true);
+        PREPARED.store(true, core::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a [`crate::ParsedConfig`] made its value in this instance.
     pub(crate) fn prepared() -> bool {
-        PREPARED.0.get()
+        PREPARED.load(core::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -208,7 +205,8 @@ pub struct ParsedConfig<T: 'static> {
 }
 
 // SAFETY: a filter instance has one thread (wasm32 without the threads proposal), so
-// the cell is never reached from two threads; natively the value holds nothing.
+// the cell is never reached from two threads. (Natively there is no cell.)
+#[cfg(target_arch = "wasm32")]
 unsafe impl<T> Sync for ParsedConfig<T> {}
 
 impl<T> ParsedConfig<T> {
@@ -224,18 +222,13 @@ impl<T> ParsedConfig<T> {
     /// Runs `f` with the value, or with why the config was refused.
     pub fn with<R>(&self, f: impl FnOnce(Result<&T, &str>) -> R) -> R {
         #[cfg(target_arch = "wasm32")]
-        {
-            let v = self.value.get_or_init(|| {
-                call_config::mark_prepared();
-                (self.parse)(&config())
-            });
-            f(v.as_ref().map_err(String::as_str))
-        }
+        let v = self.value.get_or_init(|| {
+            call_config::mark_prepared();
+            (self.parse)(&config())
+        });
         #[cfg(not(target_arch = "wasm32"))]
-        {
-            let v = (self.parse)(&config());
-            f(v.as_ref().map_err(String::as_str))
-        }
+        let v = &(self.parse)(&config());
+        f(v.as_ref().map_err(String::as_str))
     }
 
     /// Makes the value now, for [`Filter::init`](crate::Filter::init), which calls this

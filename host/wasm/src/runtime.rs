@@ -921,11 +921,12 @@ struct Snapshot<'a> {
 }
 
 impl Snapshot<'_> {
-    fn read<R: wasmtime::component::ComponentType + Lift + Default + Send + Sync + 'static>(
+    /// Calls `func` of the exported `interface`; `None` (and `failed` set) if that fails.
+    fn call<R: wasmtime::component::ComponentType + Lift + Send + Sync + 'static>(
         &mut self,
         interface: &str,
         func: &str,
-    ) -> R {
+    ) -> Option<R> {
         let store = &mut *self.store;
         let result = (|| {
             let (_, i) = self.instance.get_export(&mut *store, None, interface)?;
@@ -933,28 +934,27 @@ impl Snapshot<'_> {
             let f = self.instance.get_typed_func::<(), (R,)>(&mut *store, f).ok()?;
             f.call(&mut *store, ()).ok().map(|(r,)| r)
         })();
-        result.unwrap_or_else(|| {
+        if result.is_none() {
             self.failed.get_or_insert_with(|| format!("reading {interface}#{func} failed"));
-            R::default()
-        })
+        }
+        result
+    }
+
+    /// [`Self::call`] for a number, zero if it failed.
+    fn read<R: wasmtime::component::ComponentType + Lift + Default + Send + Sync + 'static>(
+        &mut self,
+        interface: &str,
+        func: &str,
+    ) -> R {
+        self.call(interface, func).unwrap_or_default()
     }
 }
 
 impl wasmtime_wizer::ComponentInstanceState for Snapshot<'_> {
     async fn call_func_ret_list_u8(&mut self, instance: &str, func: &str, contents: impl FnOnce(&[u8]) + Send) {
-        let store = &mut *self.store;
-        let result = (|| {
-            let (_, i) = self.instance.get_export(&mut *store, None, instance)?;
-            let (_, f) = self.instance.get_export(&mut *store, Some(&i), func)?;
-            let f = self.instance.get_typed_func::<(), (wasmtime::component::WasmList<u8>,)>(&mut *store, f).ok()?;
-            f.call(&mut *store, ()).ok().map(|(r,)| r)
-        })();
-        match result {
-            Some(list) => contents(list.as_le_slice(&*store)),
-            None => {
-                self.failed.get_or_insert_with(|| format!("reading {instance}#{func} failed"));
-                contents(&[]);
-            }
+        match self.call::<wasmtime::component::WasmList<u8>>(instance, func) {
+            Some(list) => contents(list.as_le_slice(&*self.store)),
+            None => contents(&[]),
         }
     }
 

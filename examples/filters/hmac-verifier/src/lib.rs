@@ -68,10 +68,7 @@ pub struct Prepared {
 
 /// Parses and checks a config, and keys the MAC.
 pub fn prepare(bytes: &[u8]) -> Result<Prepared, String> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err("no config".to_owned());
-    }
-    let cfg: Config = postern_filter_sdk::serde_json::from_slice(bytes).map_err(|e| format!("invalid config: {e}"))?;
+    let cfg: Config = parse_config_json(bytes)?;
     if cfg.secret.is_empty() {
         return Err("invalid config: secret is empty".to_owned());
     }
@@ -135,14 +132,9 @@ fn nibble(c: u8) -> Option<u8> {
     }
 }
 
-/// Whether `signature` is the HMAC-SHA256 of the concatenated `parts` under `secret`,
-/// compared in constant time.
-pub fn verify(secret: &[u8], parts: &[&[u8]], signature: &[u8; 32]) -> bool {
-    HmacSha256::new_from_slice(secret).is_ok_and(|mac| verify_with(&mac, parts, signature))
-}
-
-/// [`verify`] with the MAC already keyed.
-fn verify_with(keyed: &HmacSha256, parts: &[&[u8]], signature: &[u8; 32]) -> bool {
+/// Whether `signature` is the HMAC-SHA256 of the concatenated `parts` under the key
+/// `keyed` was made with, compared in constant time.
+fn verify(keyed: &HmacSha256, parts: &[&[u8]], signature: &[u8; 32]) -> bool {
     let mut mac = keyed.clone();
     for part in parts {
         mac.update(part);
@@ -177,7 +169,7 @@ fn check_head(req: &Request, p: &Prepared) -> Decision {
         return reject("x-signature is not sha256=<64 hex digits>");
     };
     let message: [&[u8]; 5] = [ts.as_bytes(), b".", req.method.as_bytes(), b".", req.path.as_bytes()];
-    if !verify_with(&p.mac, &message, &sig) {
+    if !verify(&p.mac, &message, &sig) {
         return reject("x-signature does not match");
     }
     counter_add("valid_signature", 1);
@@ -199,7 +191,7 @@ fn check_body(req: &Request, body: &[u8], p: &Prepared) -> Decision {
     let Some(sig) = parse_signature(sig) else {
         return reject("x-signature-body is not sha256=<64 hex digits>");
     };
-    if !verify_with(&p.mac, &[ts.as_bytes(), b".", body], &sig) {
+    if !verify(&p.mac, &[ts.as_bytes(), b".", body], &sig) {
         return reject("x-signature-body does not match");
     }
     counter_add("valid_body_signature", 1);
