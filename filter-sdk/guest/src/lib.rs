@@ -152,15 +152,16 @@ pub mod prelude {
 /// The raw bindings generated from `wit/filter.wit` (world `filter`).
 ///
 /// Filters normally never touch these: [`export_filter!`] converts between them and
-/// the SDK's types. The generated export macro is `bindings::export_wit!`.
+/// the SDK's types, and exports the generated `_export_*_cabi` functions itself.
+///
+/// The world's description (the `component-type` custom section, exports included)
+/// is emitted here, in the SDK, rather than by the generated export macro: the SDK's
+/// own exports leave out the `cabi_post_*` functions that macro would add.
 #[allow(missing_docs)]
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit",
         world: "filter",
-        pub_export_macro: true,
-        export_macro_name: "export_wit",
-        default_bindings_module: "postern_filter_sdk::bindings",
     });
 }
 
@@ -219,10 +220,7 @@ macro_rules! export_filter {
                 $crate::__private::init::<$ty>(config)
             }
 
-            fn on_request(
-                req: $crate::bindings::Request,
-                cx: $crate::bindings::Context,
-            ) -> $crate::bindings::Decision {
+            fn on_request(req: $crate::bindings::Request, cx: $crate::bindings::Context) -> $crate::bindings::Decision {
                 $crate::__private::on_request::<$ty>(req, cx)
             }
 
@@ -242,8 +240,38 @@ macro_rules! export_filter {
             }
         }
 
+        // The world's exports, as the generated export macro would write them but
+        // without its `cabi_post_*` functions: those free a call's results after the
+        // host has read them, and an instance here serves one call and is then thrown
+        // away whole. Without them the component's exports carry no `post-return`, so
+        // a fresh instance has four functions fewer to look up and each call one
+        // guest call fewer.
         #[cfg(target_arch = "wasm32")]
-        $crate::bindings::export_wit!($ty with_types_in $crate::bindings);
+        const _: () = {
+            #[unsafe(export_name = "init")]
+            unsafe extern "C" fn __postern_init(config: *mut u8, len: usize) -> *mut u8 {
+                // SAFETY: called by the canonical ABI with the lowered arguments.
+                unsafe { $crate::bindings::_export_init_cabi::<$ty>(config, len) }
+            }
+
+            #[unsafe(export_name = "on-request")]
+            unsafe extern "C" fn __postern_on_request(args: *mut u8) -> *mut u8 {
+                // SAFETY: as above.
+                unsafe { $crate::bindings::_export_on_request_cabi::<$ty>(args) }
+            }
+
+            #[unsafe(export_name = "on-request-body")]
+            unsafe extern "C" fn __postern_on_request_body(args: *mut u8) -> *mut u8 {
+                // SAFETY: as above.
+                unsafe { $crate::bindings::_export_on_request_body_cabi::<$ty>(args) }
+            }
+
+            #[unsafe(export_name = "on-response")]
+            unsafe extern "C" fn __postern_on_response(args: *mut u8) -> *mut u8 {
+                // SAFETY: as above.
+                unsafe { $crate::bindings::_export_on_response_cabi::<$ty>(args) }
+            }
+        };
     };
 }
 

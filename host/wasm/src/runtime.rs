@@ -1040,6 +1040,22 @@ pub(crate) mod tests {
         assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 0);
     }
 
+    /// The SDK exports a filter without the `cabi_post_*` functions wit-bindgen would add
+    /// (an instance serves one call, so its results are never freed): a fresh instance
+    /// has no post-return functions to look up and a call no second guest call.
+    #[test]
+    fn filters_built_with_the_sdk_have_no_post_return() {
+        let has = |bytes: &[u8], s: &str| bytes.windows(s.len()).any(|w| w == s.as_bytes());
+        for name in ["well_behaved", "header_injector", "hmac_verifier", "tenant_allowlist", "ab_tagger", "std_panic"] {
+            let bytes = module_bytes(name);
+            assert!(has(&bytes, "on-request-body") && has(&bytes, "cabi_realloc"), "{name}: exports not found");
+            assert!(!has(&bytes, "cabi_post_"), "{name} exports a post-return function");
+        }
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let c = call(&rt, &binding(&rt, "header_injector", r#"{"set":{"x-team":"a"}}"#, Limits::default()));
+        assert_eq!(set_header(c.result.as_ref().unwrap(), "x-team").as_deref(), Some("a"));
+    }
+
     #[test]
     fn a_panic_is_told_apart_from_a_trap_with_or_without_std() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
