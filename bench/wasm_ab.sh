@@ -53,7 +53,14 @@ old=$!
 POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$lp/new/snapshot.json" --public 127.0.0.1:18190 --admin 127.0.0.1:18192 --partner 127.0.0.1:18191 --workers 1 &
 new=$!
 trap 'kill $old $new $backend 2>/dev/null; rm -rf "$lp"' EXIT
-sleep 1
+# Each node listens once its snapshot is built (its modules compiled and prepared).
+for port in 18092 18192; do
+  for _ in $(seq 120); do
+    curl -sf -o /dev/null http://127.0.0.1:$port/healthz && break
+    kill -0 $old $new 2>/dev/null || { echo "a node exited" >&2; exit 1; }
+    sleep 0.25
+  done
+done
 cpu_us() { # pid port path
   local b a out r
   b=$(awk '{print $14+$15}' /proc/$1/stat)

@@ -52,7 +52,13 @@ POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/s
   --public 127.0.0.1:18090 --admin 127.0.0.1:18092 --workers 1 &
 node=$!
 trap 'kill $node $backend 2>/dev/null; rm -rf "$work"' EXIT
-sleep 1
+# The node listens once its snapshot is built: every module compiled and prepared for
+# its config, which takes a few seconds with several modules.
+for _ in $(seq 120); do
+  curl -sf -o /dev/null http://127.0.0.1:18092/healthz && break
+  kill -0 $node 2>/dev/null || { echo "the node exited" >&2; exit 1; }
+  sleep 0.25
+done
 cpu_us() { # path -> CPU µs of the node per request
   local before after out reqs
   before=$(awk '{print $14+$15}' /proc/$node/stat)
