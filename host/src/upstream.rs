@@ -33,6 +33,10 @@ impl Clients {
                     .timer(TokioTimer::new())
                     .pool_idle_timeout(Duration::from_secs(90))
                     .pool_max_idle_per_host(1024)
+                    // As the listeners' (`server::http_builder`): a backend connection's
+                    // read buffer stops at 64 KiB instead of hyper's ~400 KiB, so a
+                    // large response streams through in small chunks.
+                    .http1_max_buf_size(64 * 1024)
                     .build(connector)
             })
             .clone()
