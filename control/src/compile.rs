@@ -688,6 +688,13 @@ fn wasm_filter(
         cx.error(file, format!("{field}.name"), "filter names are lowercase letters, digits and '-'", owner);
         return None;
     }
+    let quarantine = match w.quarantine.policy() {
+        Ok(q) => q,
+        Err((name, why)) => {
+            cx.error(file, format!("{field}.quarantine.{name}"), why, owner);
+            return None;
+        }
+    };
     let manifest_path = cx.root.join("teams").join(team).join("filters").join(format!("{}.yaml", w.name));
     if !manifest_path.exists() {
         let rel = manifest_path.strip_prefix(&cx.root).unwrap_or(&manifest_path).display().to_string();
@@ -756,7 +763,7 @@ fn wasm_filter(
         failure: w.failure,
         response_phase: w.response_phase,
         config: w.config.clone(),
-        quarantine: Default::default(),
+        quarantine,
     };
     match serde_json::to_value(&attachment) {
         Ok(config) => Some(FilterSpec { kind: "wasm".into(), config }),
@@ -1083,6 +1090,18 @@ mod tests {
             e.contains("routes[0].wasmFilters[0].name: no filter manifest teams/t/filters/nothing-here.yaml"),
             "{e}"
         );
+        let e = error_of(&route(
+            "    match: { path: { value: /t } }\n    wasmFilters: [{ name: f, quarantine: { failurePercent: 0 } }]\n",
+        ));
+        assert!(e.contains("routes[0].wasmFilters[0].quarantine.failurePercent: 0 is out of range: 1 to 100"), "{e}");
+        let e = error_of(&route(
+            "    match: { path: { value: /t } }\n    wasmFilters: [{ name: f, quarantine: { forSecs: 7200 } }]\n",
+        ));
+        assert!(e.contains("routes[0].wasmFilters[0].quarantine.forSecs: 7200 is out of range: 1 to 3600"), "{e}");
+        let e = error_of(&route(
+            "    match: { path: { value: /t } }\n    wasmFilters: [{ name: f, quarantine: { minCall: 5 } }]\n",
+        ));
+        assert!(e.contains("unknown field `minCall`"), "{e}");
     }
 
     #[test]

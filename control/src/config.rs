@@ -133,6 +133,53 @@ pub struct WasmAttachDoc {
     /// Also run the filter on the response head.
     #[serde(default)]
     pub response_phase: bool,
+    /// When the filter is put aside on this route for failing too often (defaults where
+    /// absent).
+    #[serde(default)]
+    pub quarantine: QuarantineDoc,
+}
+
+/// A Wasm attachment's quarantine thresholds: within one window of `windowSecs`, at
+/// least `minCalls` calls of which `failurePercent` or more failed put the filter aside
+/// for `forSecs` on the route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct QuarantineDoc {
+    /// Failure rate that quarantines, 1 to 100.
+    pub failure_percent: u64,
+    /// Calls needed in a window before judging, 1 to 1,000,000.
+    pub min_calls: u64,
+    /// Window length, 1 to 3,600 s.
+    pub window_secs: u64,
+    /// How long the quarantine lasts, 1 to 3,600 s.
+    pub for_secs: u64,
+}
+
+impl Default for QuarantineDoc {
+    fn default() -> Self {
+        let p = postern_wasm::QuarantinePolicy::default();
+        QuarantineDoc {
+            failure_percent: p.failure_percent,
+            min_calls: p.min_calls,
+            window_secs: p.window_secs,
+            for_secs: p.quarantine_secs,
+        }
+    }
+}
+
+impl QuarantineDoc {
+    /// The node's policy, or the field out of range and its bounds.
+    pub fn policy(&self) -> Result<postern_wasm::QuarantinePolicy, (&'static str, String)> {
+        let check = |field, v: u64, max: u64| {
+            if (1..=max).contains(&v) { Ok(v) } else { Err((field, format!("{v} is out of range: 1 to {max}"))) }
+        };
+        Ok(postern_wasm::QuarantinePolicy {
+            failure_percent: check("failurePercent", self.failure_percent, 100)?,
+            min_calls: check("minCalls", self.min_calls, 1_000_000)?,
+            window_secs: check("windowSecs", self.window_secs, 3600)?,
+            quarantine_secs: check("forSecs", self.for_secs, 3600)?,
+        })
+    }
 }
 
 /// A filter manifest, `teams/<team>/filters/<name>.yaml`.

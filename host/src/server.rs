@@ -433,6 +433,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         max_instances: args.wasm_instances.max(1),
         maxima: postern_wasm::Limits::MAXIMA,
         metering: true,
+        // As many as the workers: at the lowest priority they take only idle CPU.
+        pool_threads: args.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
     })
     .context("cannot start the Wasm runtime")?;
     let node_id = args.node_id.clone().unwrap_or_else(|| {

@@ -450,9 +450,10 @@ fn copy_dir(src: &Path, dst: &Path) {
     }
 }
 
-/// A node with every hostile test filter on its own fail-closed route (`/h/<name>`),
-/// plus `/state` (keeps-state), `/good` (well-behaved, response phase too), `/open/trap`
-/// (fail-open) and `/plain` (no filter), all to one echo backend.
+/// A node with every hostile test filter on its own fail-closed route (`/h/<name>`), and
+/// again on `/hammer/<name>` with a quarantine threshold no test reaches (so it runs on
+/// every call), plus `/state` (keeps-state), `/good` (well-behaved, response phase too),
+/// `/open/trap` (fail-open) and `/plain` (no filter), all to one echo backend.
 pub mod wasm_fixture {
     use super::{Echo, Node, Repo, add_filter, filter_wasm, platform};
 
@@ -492,6 +493,12 @@ pub mod wasm_fixture {
         for (name, limits, _) in HOSTILE {
             add_filter(&repo, "t", name, &filter_wasm(name), limits);
             routes.push_str(&route(name, &format!("/h/{name}"), name, ""));
+            routes.push_str(&route(
+                &format!("hammer-{name}"),
+                &format!("/hammer/{name}"),
+                name,
+                ", quarantine: { minCalls: 1000000 }",
+            ));
         }
         add_filter(&repo, "t", "keeps-state", &filter_wasm("keeps-state"), "{}");
         add_filter(&repo, "t", "well-behaved", &filter_wasm("well-behaved"), "{}");

@@ -61,9 +61,9 @@ fn bench(c: &mut Criterion) {
         let suffix = if metering { "metered" } else { "unmetered" };
         if metering {
             let fstats = Arc::new(FilterStats::default());
-            fstats.fiber_until_ms.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            fstats.pool_until_ms.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
             let fib = Binding { stats: fstats, ..bind("well_behaved", b"") };
-            c.bench_function("trivial_filter_fresh_instance_call_drop/fiber", |b| {
+            c.bench_function("trivial_filter_fresh_instance_call_drop/idle_pool", |b| {
                 b.iter(|| {
                     let call = rt.block_on(runtime.on_request(&fib, request(&[]), context(&fib)));
                     assert!(call.result.is_ok());

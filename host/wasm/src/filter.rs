@@ -5,6 +5,7 @@
 // `Reply` is the contract's answer type; boxing it would only move the allocation.
 #![allow(clippy::result_large_err)]
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -190,7 +191,7 @@ impl WasmFilter {
 
     /// Runs the request phase, or with `body` the body phase, and applies the decision:
     /// on the worker at once when it can, so a quick filter needs no future; else a
-    /// future that runs it on a fiber.
+    /// future that waits for it on the idle pool.
     fn request<'a>(&'a self, req: &'a mut RequestHead, body: Option<&'a [u8]>, cx: &'a Context) -> Flow<'a> {
         if self.quarantined() {
             self.binding.stats.record(Outcome::Quarantined, 0, std::time::Duration::ZERO);
@@ -207,18 +208,31 @@ impl WasmFilter {
         };
         match call {
             Ok(call) => flow(self.conclude(req, call)),
-            Err(start) => Flow::Wait(Box::pin(async move {
+            Err(start) => {
                 let call = {
                     let headers = fields(&req.headers);
                     let scopes = Self::scopes(cx);
                     let (wit_req, wcx) = (wit_request(req, &headers), self.context(cx, &scopes));
                     match body {
-                        None => self.runtime.on_request_on_fiber(&self.binding, wit_req, wcx, start).await,
-                        Some(b) => self.runtime.on_request_body_on_fiber(&self.binding, wit_req, b, wcx, start).await,
+                        None => Box::pin(self.runtime.on_request_on_pool(&self.binding, &wit_req, &wcx, start))
+                            as Pin<Box<dyn Future<Output = Call<types::Decision>> + Send>>,
+                        Some(b) => {
+                            Box::pin(self.runtime.on_request_body_on_pool(&self.binding, &wit_req, b, &wcx, start))
+                        }
                     }
                 };
-                self.conclude(req, call)
-            })),
+                Flow::Wait(Box::pin(async move { self.conclude(req, call.await) }))
+            }
+        }
+    }
+
+    /// Records a failed call: its outcome, towards quarantine, and after a costly failure
+    /// the route's next calls go to the idle pool, off the workers.
+    fn failed(&self, kind: Outcome, fuel: u64, took: std::time::Duration) {
+        self.binding.stats.record(kind, fuel, took);
+        self.judge(true);
+        if kind.is_costly() {
+            self.binding.stats.demote();
         }
     }
 
@@ -242,8 +256,7 @@ impl WasmFilter {
                 }
             }
             Err(kind) => {
-                self.binding.stats.record(kind, call.fuel, call.took);
-                self.judge(true);
+                self.failed(kind, call.fuel, call.took);
                 tracing::debug!(filter = &*self.binding.tag, outcome = kind.as_str(), "filter failed");
                 self.fail(kind)
             }
@@ -260,6 +273,7 @@ impl WasmFilter {
             let scopes = Self::scopes(cx);
             self.runtime.on_response(&self.binding, head, self.context(cx, &scopes)).await
         };
+        let (fuel, took) = (call.fuel, call.took);
         let result = call.result.and_then(|edits| {
             let limits = &self.attachment.limits;
             check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
@@ -270,12 +284,9 @@ impl WasmFilter {
             Ok(())
         });
         match result {
-            Ok(()) => self.binding.stats.record(Outcome::Ok, call.fuel, call.took),
-            Err(kind) => {
-                // The response is already on its way; a failing response phase leaves it as it was.
-                self.binding.stats.record(kind, call.fuel, call.took);
-                self.judge(true);
-            }
+            Ok(()) => self.binding.stats.record(Outcome::Ok, fuel, took),
+            // The response is already on its way; a failing response phase leaves it as it was.
+            Err(kind) => self.failed(kind, fuel, took),
         }
     }
 }
@@ -480,14 +491,32 @@ mod tests {
     }
 
     #[test]
-    fn a_filter_that_outruns_its_slice_finishes_on_a_fiber_and_edits_the_request() {
+    fn a_filter_that_outruns_its_slice_finishes_on_the_idle_pool_and_edits_the_request() {
         let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };
         let f = filter("slow_counter", serde_json::json!({"spin_us": 20000}), limits);
         let (mut req, cx) = (head(), Context::new(Arc::from("t/r"), HeaderValue::from_static("1")));
-        let Flow::Wait(fut) = f.on_request(&mut req, &cx) else { panic!("expected a future for the fiber") };
+        let Flow::Wait(fut) = f.on_request(&mut req, &cx) else { panic!("expected a future for the pool") };
         let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         assert!(tokio.block_on(fut).is_ok());
         assert_eq!(req.headers.get("x-slow").map(HeaderValue::as_bytes), Some(&b"done"[..]));
         assert_eq!(f.binding.stats.reruns.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn after_a_costly_failure_the_routes_calls_run_on_the_idle_pool() {
+        let limits = Limits { fuel: 1_000_000, deadline_ms: 2_000, ..Limits::default() };
+        let f = filter("loop_forever", serde_json::Value::Null, limits);
+        let cx = Context::new(Arc::from("t/r"), HeaderValue::from_static("1"));
+        // Out of its own fuel (within the slice) on the worker: answered at once...
+        let mut req = head();
+        let Flow::Respond(_) = f.on_request(&mut req, &cx) else { panic!("expected an answer at once") };
+        assert_eq!(f.binding.stats.reruns.load(Ordering::Relaxed), 0, "its own limit, not the slice");
+        // ...and the next call goes to the pool, where it fails the same way.
+        let Flow::Wait(fut) = f.on_request(&mut req, &cx) else { panic!("expected a future for the pool") };
+        let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        assert!(tokio.block_on(fut).is_err());
+        let mut out = String::new();
+        f.binding.stats.render(&mut out, "f=\"x\"");
+        assert!(out.contains("postern_filter_calls_total{f=\"x\",outcome=\"fuel_exhausted\"} 2"), "{out}");
     }
 }

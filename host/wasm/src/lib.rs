@@ -15,7 +15,7 @@ pub mod runtime;
 pub mod stats;
 pub mod wasi_stubs;
 
-pub use filter::{Attachment, FailurePolicy, WasmFilter, config_bytes};
+pub use filter::{Attachment, FailurePolicy, QuarantinePolicy, WasmFilter, config_bytes};
 pub use limits::Limits;
 pub use runtime::{Binding, LoadError, Module, Runtime, RuntimeConfig, digest};
 pub use stats::{FilterStats, Outcome};

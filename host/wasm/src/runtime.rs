@@ -39,15 +39,37 @@ pub mod bindings {
 use bindings::postern::filter::host::{self, Level};
 pub use bindings::postern::filter::types;
 
-/// How much fuel a call may burn on the worker before it is stopped and run again on a
-/// fiber that yields every millisecond: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms).
-/// Fuel, not wall time, so a worker preempted mid-call does not send a quick filter to a
-/// fiber.
+/// The same bindings with owned arguments, for calls handed to the idle pool's threads.
+pub mod owned_bindings {
+    wasmtime::component::bindgen!({
+        path: "../../wit",
+        world: "filter",
+        imports: { default: trappable },
+    });
+}
+
+use owned_bindings::postern::filter as owned;
+
+/// How much fuel a call may burn on the worker before it is stopped and run again on the
+/// idle pool: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms). Fuel, not wall time, so
+/// a worker preempted mid-call does not send a quick filter to the pool.
 const SLICE_FUEL: u64 = 7_000_000;
 
-/// Once a filter outruns its slice, its calls on that route go straight to a fiber for
-/// this long.
-const FIBER_FOR_MS: u64 = 10_000;
+/// How far a call may grow its memory on the worker before it is stopped and run again
+/// on the idle pool: faulting in fresh pages is time that burns no fuel.
+const SLICE_MEMORY: usize = 2 << 20;
+
+/// Once a filter outruns its slice or fails costly on a route, its calls there go
+/// straight to the idle pool for this long.
+pub(crate) const POOL_FOR_MS: u64 = 10_000;
+
+/// Calls waiting for the idle pool at most; beyond, a call is `overloaded`.
+const POOL_QUEUE: usize = 256;
+
+/// How long past its deadline a request waits for its call on the idle pool (which is
+/// interrupted at the first epoch tick past the deadline) before answering
+/// `deadline_exceeded` without it.
+const POOL_GRACE: Duration = Duration::from_millis(20);
 
 /// The filter world this gateway runs (`wit/filter.wit`).
 pub const WORLD: &str = "postern:filter@0.3.0";
@@ -115,11 +137,14 @@ pub struct RuntimeConfig {
     /// Meter fuel and wall time. Always on in the gateway; off only to measure what
     /// metering costs.
     pub metering: bool,
+    /// Threads of the idle pool, where calls that outran their slice on a worker run at
+    /// the lowest CPU priority.
+    pub pool_threads: usize,
 }
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { cache_dir: None, max_instances: 1000, maxima: Limits::MAXIMA, metering: true }
+        RuntimeConfig { cache_dir: None, max_instances: 1000, maxima: Limits::MAXIMA, metering: true, pool_threads: 2 }
     }
 }
 
@@ -129,7 +154,14 @@ pub struct State {
     /// What the guest wrote to stdout and stderr (capped).
     output: Vec<u8>,
     memory_max: usize,
+    /// How far the memory may grow past its size at instantiation before the call is
+    /// stopped to run on the idle pool.
+    memory_slice: usize,
+    /// The memory's size at instantiation.
+    memory_base: usize,
     memory_denied: bool,
+    /// Stopped at the end of its slice on the worker (not a failure of its own).
+    out_of_slice: bool,
     host_calls: u32,
     host_calls_max: u32,
     host_calls_exceeded: bool,
@@ -149,10 +181,16 @@ pub struct State {
 }
 
 impl wasmtime::ResourceLimiter for State {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         if desired > self.memory_max {
             self.memory_denied = true;
             return Ok(false);
+        }
+        if current == 0 {
+            self.memory_base = self.memory_base.max(desired);
+        } else if desired.saturating_sub(self.memory_base) > self.memory_slice {
+            self.out_of_slice = true;
+            return Err(wasmtime::Error::new(OutOfSlice));
         }
         Ok(true)
     }
@@ -177,6 +215,11 @@ impl wasmtime::ResourceLimiter for State {
         4
     }
 }
+
+/// Trap raised when a call on the worker grows its memory past the slice.
+#[derive(Debug, thiserror::Error)]
+#[error("memory growth past the worker's slice")]
+struct OutOfSlice;
 
 /// Trap raised when a filter calls the host too often.
 #[derive(Debug, thiserror::Error)]
@@ -280,7 +323,7 @@ fn clock_ms() -> u64 {
 static COARSE_MS: AtomicU64 = AtomicU64::new(0);
 
 /// Milliseconds of the runtime's monotonic clock, as of the last epoch tick: what the
-/// per-call bookkeeping (quarantine windows, the fiber switch) reads instead of asking
+/// per-call bookkeeping (quarantine windows, the idle pool's lane) reads instead of asking
 /// the system for the time on every request.
 pub(crate) fn coarse_ms() -> u64 {
     COARSE_MS.load(Ordering::Relaxed)
@@ -318,6 +361,9 @@ type InitResult = (Result<bool, String>,);
 type OnRequest<'a> = (types::Request<'a>, types::Context<'a>);
 type OnRequestBody<'a> = (types::Request<'a>, &'a [u8], types::Context<'a>);
 type OnResponse<'a> = (types::ResponseHead<'a>, types::Context<'a>);
+type OnRequestOwned = (owned::types::Request, owned::types::Context);
+type OnRequestBodyOwned = (owned::types::Request, Vec<u8>, owned::types::Context);
+type OnResponseOwned = (owned::types::ResponseHead, owned::types::Context);
 
 impl Module {
     /// The component's bytes.
@@ -343,6 +389,8 @@ pub struct Runtime {
     /// Modules prepared for a config ([`Runtime::prepare`]).
     prepared: Mutex<HashMap<PreparedKey, Arc<Module>>>,
     stop: Arc<AtomicBool>,
+    /// The idle pool's queue ([`start_pool`]).
+    pool: std::sync::mpsc::SyncSender<Job>,
     /// Platform maxima.
     pub maxima: Limits,
     metering: bool,
@@ -454,6 +502,7 @@ impl Runtime {
             modules: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
             stop,
+            pool: start_pool(cfg.pool_threads)?,
             maxima: cfg.maxima,
             metering: cfg.metering,
         }))
@@ -559,12 +608,7 @@ impl Runtime {
     /// A store for `init`: the binding's limits, but all of its fuel at once (not a
     /// slice), since it does not run on a worker.
     fn init_store(&self, b: &Binding) -> Store<State> {
-        let mut store = self.store(b, Instant::now(), false);
-        if self.metering {
-            let _ = store.set_fuel(b.limits.fuel);
-            store.data_mut().fuel = b.limits.fuel;
-        }
-        store
+        new_store(&self.engine, self.metering, Lane::Pool, b, Instant::now())
     }
 
     /// Instantiates `pre` in `store` and calls its `init` (at `init`) with the binding's
@@ -622,59 +666,12 @@ impl Runtime {
         }
     }
 
-    /// A fresh store for one call that started at `start`. On the worker (`fiber` false)
-    /// the call is stopped at the end of its slice; on a fiber it yields every tick.
-    /// Either way it is interrupted at its deadline.
-    fn store(&self, b: &Binding, start: Instant, fiber: bool) -> Store<State> {
-        let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
-        let state = State {
-            table: ResourceTable::new(),
-            output: Vec::new(),
-            memory_max: usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX),
-            memory_denied: false,
-            host_calls: 0,
-            host_calls_max: limits.host_calls,
-            host_calls_exceeded: false,
-            stats,
-            line: Vec::new(),
-            log_budget: 4096,
-            tag,
-            panicked: false,
-            fuel: 0,
-            logs: Vec::new(),
-            counters: Vec::new(),
-        };
-        let mut store = Store::new(&self.engine, state);
-        store.limiter(|s| s);
-        if !self.metering {
-            return store;
-        }
-        let fuel = if fiber { limits.fuel } else { limits.fuel.min(SLICE_FUEL) };
-        let _ = store.set_fuel(fuel);
-        store.data_mut().fuel = fuel;
-        let deadline = start + limits.deadline();
-        // Every tick (1 ms): past the deadline, interrupt. Before it, a fiber yields to the
-        // executor so a busy filter never holds a worker; on the worker the slice is fuel
-        // (`SLICE_FUEL`), and time that burns no fuel (memory growth, host calls) is
-        // bounded by the limits and the deadline.
-        store.epoch_deadline_callback(move |_| {
-            Ok(if Instant::now() >= deadline {
-                UpdateDeadline::Interrupt
-            } else if fiber {
-                UpdateDeadline::Yield(1)
-            } else {
-                UpdateDeadline::Continue(1)
-            })
-        });
-        store.set_epoch_deadline(1);
-        store
-    }
-
-    /// One call of the export at `export` in a fresh instance, on the worker itself,
-    /// with no fiber to set up: most filters answer in microseconds. `None` when the call
-    /// belongs on a fiber ([`Self::run_on_fiber`]): the filter outran its slice recently
-    /// on this route, or this call just did (it was stopped; its log lines and counters
-    /// are kept back until a run is final, so nothing counts twice).
+    /// One call of the export at `export` in a fresh instance, on the worker itself:
+    /// most filters answer in microseconds. `None` when the call belongs on the idle pool
+    /// ([`Self::run_on_pool`]): the filter was demoted on this route (it outran its slice
+    /// or failed costly recently), or this call just outran its slice (it was stopped;
+    /// its log lines and counters are kept back until a run is final, so nothing counts
+    /// twice).
     fn run_on_worker<P, R>(
         &self,
         b: &Binding,
@@ -686,76 +683,67 @@ impl Runtime {
         P: ComponentNamedList + Lower,
         R: ComponentNamedList + Lift,
     {
-        if self.metering && b.stats.fiber_until_ms.load(Ordering::Relaxed) > coarse_ms() {
+        if self.metering && b.stats.pool_until_ms.load(Ordering::Relaxed) > coarse_ms() {
             return None;
         }
-        let mut store = self.store(b, start, false);
-        let result = match b.module.pre.instantiate(&mut store) {
-            Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-            Ok(instance) => typed::<P, R>(&instance, &mut store, export(&b.module.exports))
-                .and_then(|f| f.call(&mut store, params))
-                .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
-        };
-        // Out of the slice's fuel, not of the filter's own: the filter needs more than a
-        // slice, so it runs again on a fiber and its next calls start on one.
-        let out_of_slice_fuel = matches!(result, Err(Outcome::Fuel)) && store.data().fuel < b.limits.fuel;
-        if !out_of_slice_fuel {
-            return Some(self.finish(store, result, start));
+        let (store, result) =
+            call_in_fresh_instance(&self.engine, self.metering, Lane::Worker, b, export, params, start);
+        // Out of the slice's fuel (not the filter's own) or memory: the filter needs more
+        // than a slice, so it runs again on the idle pool, as its next calls will.
+        let state = store.data();
+        let out_of_slice = state.out_of_slice || (matches!(result, Err(Outcome::Fuel)) && state.fuel < b.limits.fuel);
+        if !out_of_slice {
+            return Some(finish(self.metering, store, result, start));
         }
         b.stats.reruns.fetch_add(1, Ordering::Relaxed);
-        b.stats.fiber_until_ms.store(coarse_ms() + FIBER_FOR_MS, Ordering::Relaxed);
+        b.stats.demote();
         None
     }
 
-    /// One call of the export at `export` in a fresh instance on a fiber that yields to
-    /// the executor every millisecond, under the deadline of a call that started at
-    /// `start`.
-    async fn run_on_fiber<P, R>(
+    /// One call of the export at `export` in a fresh instance on the idle pool, under the
+    /// deadline of a call that started at `start`. The answer comes by the deadline (and
+    /// a little grace) even if the pool is busy: then it is `deadline_exceeded`, and the
+    /// queued call is dropped unrun.
+    fn run_on_pool<P, R>(
         &self,
         b: &Binding,
         export: fn(&Exports) -> &ComponentExportIndex,
         params: P,
         start: Instant,
-    ) -> Call<R>
+    ) -> impl Future<Output = Call<R>> + Send + 'static
     where
-        P: ComponentNamedList + Lower + Send + Sync,
-        R: ComponentNamedList + Lift + Send + Sync + 'static,
+        P: ComponentNamedList + Lower + Send + 'static,
+        R: ComponentNamedList + Lift + Send + 'static,
     {
-        let mut store = self.store(b, start, true);
-        let result = match b.module.pre.instantiate_async(&mut store).await {
-            Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
-            Ok(instance) => match typed::<P, R>(&instance, &mut store, export(&b.module.exports)) {
-                Ok(f) => f.call_async(&mut store, params).await,
-                Err(e) => Err(e),
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (engine, metering, b) = (self.engine.clone(), self.metering, b.clone());
+        let deadline = start + b.limits.deadline();
+        let job: Job = Box::new(move || {
+            if tx.is_closed() {
+                return; // the request is gone
             }
-            .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
-        };
-        self.finish(store, result, start)
-    }
-
-    /// One call, on the worker if it can be ([`Self::run_on_worker`]), else on a fiber.
-    async fn run<P, R>(&self, b: &Binding, export: fn(&Exports) -> &ComponentExportIndex, params: P) -> Call<R>
-    where
-        P: ComponentNamedList + Lower + Clone + Send + Sync,
-        R: ComponentNamedList + Lift + Send + Sync + 'static,
-    {
-        let start = Instant::now();
-        match self.run_on_worker(b, export, params.clone(), start) {
-            Some(call) => call,
-            None => self.run_on_fiber(b, export, params, start).await,
+            if Instant::now() >= deadline {
+                let _ = tx.send(Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() });
+                return;
+            }
+            let (store, result) = call_in_fresh_instance(&engine, metering, Lane::Pool, &b, export, params, start);
+            let _ = tx.send(finish(metering, store, result, start));
+        });
+        let queued = self.pool.try_send(job).is_ok();
+        async move {
+            if !queued {
+                return Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() };
+            }
+            match tokio::time::timeout_at((deadline + POOL_GRACE).into(), rx).await {
+                Ok(Ok(call)) => call,
+                _ => Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() },
+            }
         }
     }
 
-    fn finish<T>(&self, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
-        let fuel = if self.metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
-        store.data_mut().commit();
-        drop(store);
-        Call { result, fuel, took: start.elapsed() }
-    }
-
     /// Runs the request phase in a fresh instance on the worker, or says (`Err`, with
-    /// the call's start) that it must run on a fiber: then call
-    /// [`Self::on_request_on_fiber`] with the same arguments and that start.
+    /// the call's start) that it must run on the idle pool: then call
+    /// [`Self::on_request_on_pool`] with the same arguments and that start.
     pub fn on_request_now(
         &self,
         b: &Binding,
@@ -767,21 +755,22 @@ impl Runtime {
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
     }
 
-    /// Runs the request phase in a fresh instance on a fiber, under the deadline of a
-    /// call that started at `start`.
-    pub async fn on_request_on_fiber(
+    /// Runs the request phase in a fresh instance on the idle pool, under the deadline of
+    /// a call that started at `start`. The arguments are copied for the pool's thread.
+    pub fn on_request_on_pool(
         &self,
         b: &Binding,
-        req: types::Request<'_>,
-        cx: types::Context<'_>,
+        req: &types::Request<'_>,
+        cx: &types::Context<'_>,
         start: Instant,
-    ) -> Call<types::Decision> {
-        let call = self.run_on_fiber::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx), start);
-        call.await.map(|(d,)| d)
+    ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
+        let params = (owned_request(req), owned_context(cx));
+        let call = self.run_on_pool::<OnRequestOwned, (types::Decision,)>(b, |e| &e.on_request, params, start);
+        async move { call.await.map(|(d,)| d) }
     }
 
     /// Runs the request body phase in a fresh instance on the worker, or says (`Err`)
-    /// that it must run on a fiber, as [`Self::on_request_now`].
+    /// that it must run on the idle pool, as [`Self::on_request_now`].
     pub fn on_request_body_now(
         &self,
         b: &Binding,
@@ -799,37 +788,37 @@ impl Runtime {
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
     }
 
-    /// Runs the request body phase in a fresh instance on a fiber, as
-    /// [`Self::on_request_on_fiber`].
-    pub async fn on_request_body_on_fiber(
+    /// Runs the request body phase in a fresh instance on the idle pool, as
+    /// [`Self::on_request_on_pool`].
+    pub fn on_request_body_on_pool(
         &self,
         b: &Binding,
-        req: types::Request<'_>,
+        req: &types::Request<'_>,
         body: &[u8],
-        cx: types::Context<'_>,
+        cx: &types::Context<'_>,
         start: Instant,
-    ) -> Call<types::Decision> {
-        let call = self.run_on_fiber::<OnRequestBody<'_>, (types::Decision,)>(
-            b,
-            |e| &e.on_request_body,
-            (req, body, cx),
-            start,
-        );
-        call.await.map(|(d,)| d)
+    ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
+        let params = (owned_request(req), body.to_vec(), owned_context(cx));
+        let call = self.run_on_pool::<OnRequestBodyOwned, (types::Decision,)>(b, |e| &e.on_request_body, params, start);
+        async move { call.await.map(|(d,)| d) }
     }
 
-    /// Runs the request phase in a fresh instance.
+    /// Runs the request phase in a fresh instance, on the worker if it can, else on the
+    /// idle pool.
     pub async fn on_request(
         &self,
         b: &Binding,
         req: types::Request<'_>,
         cx: types::Context<'_>,
     ) -> Call<types::Decision> {
-        let call = self.run::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx)).await;
-        call.map(|(d,)| d)
+        match self.on_request_now(b, req.clone(), cx.clone()) {
+            Ok(call) => call,
+            Err(start) => self.on_request_on_pool(b, &req, &cx, start).await,
+        }
     }
 
-    /// Runs the request body phase in a fresh instance.
+    /// Runs the request body phase in a fresh instance, on the worker if it can, else on
+    /// the idle pool.
     pub async fn on_request_body(
         &self,
         b: &Binding,
@@ -837,19 +826,185 @@ impl Runtime {
         body: &[u8],
         cx: types::Context<'_>,
     ) -> Call<types::Decision> {
-        let call = self.run::<OnRequestBody<'_>, (types::Decision,)>(b, |e| &e.on_request_body, (req, body, cx)).await;
-        call.map(|(d,)| d)
+        match self.on_request_body_now(b, req.clone(), body, cx.clone()) {
+            Ok(call) => call,
+            Err(start) => self.on_request_body_on_pool(b, &req, body, &cx, start).await,
+        }
     }
 
-    /// Runs the response phase in a fresh instance.
+    /// Runs the response phase in a fresh instance, on the worker if it can, else on the
+    /// idle pool.
     pub async fn on_response(
         &self,
         b: &Binding,
         resp: types::ResponseHead<'_>,
         cx: types::Context<'_>,
     ) -> Call<types::ResponseEdits> {
-        let call = self.run::<OnResponse<'_>, (types::ResponseEdits,)>(b, |e| &e.on_response, (resp, cx)).await;
+        let start = Instant::now();
+        let call = match self.run_on_worker::<OnResponse<'_>, (types::ResponseEdits,)>(
+            b,
+            |e| &e.on_response,
+            (resp.clone(), cx.clone()),
+            start,
+        ) {
+            Some(call) => call,
+            None => {
+                let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
+                let params = (head, owned_context(&cx));
+                self.run_on_pool::<OnResponseOwned, (types::ResponseEdits,)>(b, |e| &e.on_response, params, start).await
+            }
+        };
         call.map(|(r,)| r)
+    }
+}
+
+/// Where a call runs, which decides its store's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// On a worker: at most a slice of fuel and memory growth ([`SLICE_FUEL`],
+    /// [`SLICE_MEMORY`]), then it is stopped to run again on the idle pool.
+    Worker,
+    /// On the idle pool (or at snapshot build, for `init`): the filter's own limits.
+    Pool,
+}
+
+/// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
+/// call is interrupted, at the first epoch tick (1 ms) after it.
+fn new_store(engine: &Engine, metering: bool, lane: Lane, b: &Binding, start: Instant) -> Store<State> {
+    let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
+    let state = State {
+        table: ResourceTable::new(),
+        output: Vec::new(),
+        memory_max: usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX),
+        memory_slice: if lane == Lane::Worker && metering { SLICE_MEMORY } else { usize::MAX },
+        memory_base: 0,
+        memory_denied: false,
+        out_of_slice: false,
+        host_calls: 0,
+        host_calls_max: limits.host_calls,
+        host_calls_exceeded: false,
+        stats,
+        line: Vec::new(),
+        log_budget: 4096,
+        tag,
+        panicked: false,
+        fuel: 0,
+        logs: Vec::new(),
+        counters: Vec::new(),
+    };
+    let mut store = Store::new(engine, state);
+    store.limiter(|s| s);
+    if !metering {
+        return store;
+    }
+    let fuel = if lane == Lane::Worker { limits.fuel.min(SLICE_FUEL) } else { limits.fuel };
+    let _ = store.set_fuel(fuel);
+    store.data_mut().fuel = fuel;
+    let deadline = start + limits.deadline();
+    store.epoch_deadline_callback(move |_| {
+        Ok(if Instant::now() >= deadline { UpdateDeadline::Interrupt } else { UpdateDeadline::Continue(1) })
+    });
+    store.set_epoch_deadline(1);
+    store
+}
+
+/// Instantiates the binding's module in a fresh store on `lane` and calls the export at
+/// `export` with `params`: the store (for its records) and the answer or why there is
+/// none.
+fn call_in_fresh_instance<P, R>(
+    engine: &Engine,
+    metering: bool,
+    lane: Lane,
+    b: &Binding,
+    export: fn(&Exports) -> &ComponentExportIndex,
+    params: P,
+    start: Instant,
+) -> (Store<State>, Result<R, Outcome>)
+where
+    P: ComponentNamedList + Lower,
+    R: ComponentNamedList + Lift,
+{
+    let mut store = new_store(engine, metering, lane, b, start);
+    let result = match b.module.pre.instantiate(&mut store) {
+        Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
+        Ok(instance) => typed::<P, R>(&instance, &mut store, export(&b.module.exports))
+            .and_then(|f| f.call(&mut store, params))
+            .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+    };
+    (store, result)
+}
+
+/// The call is final: its log lines and counters go out, and the store is dropped.
+fn finish<T>(metering: bool, mut store: Store<State>, result: Result<T, Outcome>, start: Instant) -> Call<T> {
+    let fuel = if metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+    store.data_mut().commit();
+    drop(store);
+    Call { result, fuel, took: start.elapsed() }
+}
+
+/// A call for the idle pool.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Starts the idle pool: `threads` threads at the lowest CPU priority (nice 19), taking
+/// calls from a queue of [`POOL_QUEUE`]; returns once each has set its priority. They end
+/// when the sender is dropped.
+fn start_pool(threads: usize) -> std::io::Result<std::sync::mpsc::SyncSender<Job>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(POOL_QUEUE);
+    let rx = Arc::new(Mutex::new(rx));
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let threads = threads.max(1);
+    for i in 0..threads {
+        let (rx, ready_tx) = (rx.clone(), ready_tx.clone());
+        std::thread::Builder::new().name(format!("postern-wasm-idle-{i}")).spawn(move || {
+            // This thread only: on Linux, a thread id names one thread.
+            if let Err(e) = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19) {
+                tracing::warn!("the idle pool's thread keeps its priority: {e}");
+            }
+            let _ = ready_tx.send(());
+            drop(ready_tx);
+            loop {
+                let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                match job {
+                    Ok(job) => job(),
+                    Err(_) => return,
+                }
+            }
+        })?;
+    }
+    for _ in 0..threads {
+        let _ = ready.recv();
+    }
+    Ok(tx)
+}
+
+/// Owned copies of the arguments, for a call on the idle pool.
+fn owned_fields(fields: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
+    fields.iter().map(|(k, v)| ((*k).to_owned(), v.to_vec())).collect()
+}
+
+fn owned_request(r: &types::Request<'_>) -> owned::types::Request {
+    owned::types::Request {
+        method: r.method.to_owned(),
+        path: r.path.to_owned(),
+        query: r.query.map(str::to_owned),
+        authority: r.authority.map(str::to_owned),
+        headers: owned_fields(r.headers),
+    }
+}
+
+fn owned_context(cx: &types::Context<'_>) -> owned::types::Context {
+    owned::types::Context {
+        route_id: cx.route_id.to_owned(),
+        request_id: cx.request_id.to_owned(),
+        identity: cx.identity.as_ref().map(|id| owned::types::Identity {
+            subject: id.subject.map(str::to_owned),
+            client_id: id.client_id.map(str::to_owned),
+            tenant: id.tenant.map(str::to_owned),
+            key_id: id.key_id.map(str::to_owned),
+            plan: id.plan.map(str::to_owned),
+            scopes: id.scopes.iter().map(|s| (*s).to_owned()).collect(),
+        }),
+        config: cx.config.to_vec(),
     }
 }
 
@@ -883,7 +1038,7 @@ where
     let func = instance.get_func(store, index).ok_or_else(|| wasmtime::format_err!("the export is missing"))?;
     // SAFETY: the module's exports were typechecked against the WIT when it was loaded
     // (`Runtime::load`), and `P` and `R` are the WIT's types (`OnRequest`, `OnRequestBody`,
-    // `OnResponse`; checked by `the_call_signatures_are_the_wits`).
+    // `OnResponse` and their owned twins; checked by `the_call_signatures_are_the_wits`).
     Ok(unsafe { TypedFunc::new_unchecked(func) })
 }
 
@@ -1096,13 +1251,18 @@ pub(crate) mod tests {
     fn the_call_signatures_are_the_wits() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
         let b = binding(&rt, "well_behaved", "", Limits::default());
-        let mut store = rt.store(&b, Instant::now(), false);
+        let mut store = new_store(&rt.engine, true, Lane::Pool, &b, Instant::now());
         let instance = b.module.pre.instantiate(&mut store).unwrap();
         let exports = &b.module.exports;
         instance.get_typed_func::<Init<'_>, InitResult>(&mut store, &exports.init).unwrap();
         instance.get_typed_func::<OnRequest<'_>, (types::Decision,)>(&mut store, &exports.on_request).unwrap();
         instance.get_typed_func::<OnRequestBody<'_>, (types::Decision,)>(&mut store, &exports.on_request_body).unwrap();
         instance.get_typed_func::<OnResponse<'_>, (types::ResponseEdits,)>(&mut store, &exports.on_response).unwrap();
+        instance.get_typed_func::<OnRequestOwned, (types::Decision,)>(&mut store, &exports.on_request).unwrap();
+        instance
+            .get_typed_func::<OnRequestBodyOwned, (types::Decision,)>(&mut store, &exports.on_request_body)
+            .unwrap();
+        instance.get_typed_func::<OnResponseOwned, (types::ResponseEdits,)>(&mut store, &exports.on_response).unwrap();
         // And a wrong signature is refused, so the check above means something.
         assert!(
             instance.get_typed_func::<OnResponse<'_>, (types::Decision,)>(&mut store, &exports.on_response).is_err()
@@ -1173,7 +1333,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_call_that_outruns_its_slice_runs_again_on_a_fiber_and_counts_once() {
+    fn a_call_that_outruns_its_slice_runs_again_on_the_idle_pool_and_counts_once() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
         let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };
         // 20 ms of work: far past the slice (0.5 ms, checked at 1 ms ticks).
@@ -1181,14 +1341,45 @@ pub(crate) mod tests {
         let c = call(&rt, &b);
         assert_eq!(set_header(c.result.as_ref().unwrap(), "x-slow").as_deref(), Some("done"));
         assert!(c.took >= Duration::from_millis(20), "{:?}", c.took);
-        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1, "stopped on the worker, run again on a fiber");
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1, "stopped on the worker, run again on the pool");
         assert_eq!(counter(&b.stats, "calls"), Some(1), "the stopped run's counter must not count");
 
-        // The next call starts on a fiber: no second rerun.
+        // The next call starts on the pool: no second rerun.
         let c = call(&rt, &b);
         assert!(c.result.is_ok());
         assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1);
         assert_eq!(counter(&b.stats, "calls"), Some(2));
+    }
+
+    #[test]
+    fn a_call_that_grows_its_memory_past_the_slice_runs_again_on_the_idle_pool() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let limits = Limits { memory_bytes: 8 << 20, fuel: 100_000_000, deadline_ms: 2_000, ..Limits::default() };
+        let b = binding(&rt, "memory_bomb", "", limits);
+        let c = call(&rt, &b);
+        assert_eq!(c.result.unwrap_err(), Outcome::Memory, "its own limit, on the pool");
+        assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1, "stopped at 2 MiB on the worker");
+    }
+
+    #[test]
+    fn the_idle_pool_runs_at_the_lowest_priority() {
+        let _rt = Runtime::new(&RuntimeConfig { max_instances: 8, pool_threads: 2, ..Default::default() }).unwrap();
+        let mut nice = Vec::new();
+        for task in std::fs::read_dir("/proc/self/task").unwrap() {
+            let dir = task.unwrap().path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            // Another test's runtime may be ending, its threads with it.
+            if comm.starts_with("postern-wasm-id")
+                && let Ok(stat) = std::fs::read_to_string(dir.join("stat"))
+            {
+                // Fields after the command's closing parenthesis; nice is the 19th field.
+                let rest = &stat[stat.rfind(')').unwrap() + 2..];
+                nice.push(rest.split(' ').nth(16).unwrap().to_owned());
+            }
+        }
+        // Other tests' runtimes have pools too: at least this one's two threads.
+        assert!(nice.len() >= 2, "{nice:?}");
+        assert!(nice.iter().all(|n| n == "19"), "{nice:?}");
     }
 
     #[test]

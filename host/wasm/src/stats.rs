@@ -32,11 +32,13 @@ pub enum Outcome {
     Instantiate,
     /// Skipped without running: the filter is quarantined on this route.
     Quarantined,
+    /// Not run: the idle pool's queue was full.
+    Overloaded,
 }
 
 impl Outcome {
     /// Every outcome, in the order metrics list them.
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Ok,
         Outcome::Fuel,
         Outcome::Deadline,
@@ -48,6 +50,7 @@ impl Outcome {
         Outcome::HostCalls,
         Outcome::Instantiate,
         Outcome::Quarantined,
+        Outcome::Overloaded,
     ];
 
     /// Label used in metrics and problem details.
@@ -64,7 +67,23 @@ impl Outcome {
             Outcome::HostCalls => "host_call_limit",
             Outcome::Instantiate => "instantiate_failed",
             Outcome::Quarantined => "quarantined",
+            Outcome::Overloaded => "overloaded",
         }
+    }
+
+    /// A failure that may have held its thread for long: out of fuel, time, memory,
+    /// stack or host calls, or an oversized answer. After one, the route's next calls
+    /// run on the idle pool for a while instead of on a worker ([`FilterStats::demote`]).
+    pub fn is_costly(self) -> bool {
+        matches!(
+            self,
+            Outcome::Fuel
+                | Outcome::Deadline
+                | Outcome::Memory
+                | Outcome::Stack
+                | Outcome::HostCalls
+                | Outcome::BadOutput
+        )
     }
 
     fn index(self) -> usize {
@@ -85,16 +104,23 @@ pub struct FilterStats {
     time_sum_us: AtomicU64,
     /// Times the filter was quarantined on this route.
     pub quarantines: AtomicU64,
-    /// Calls that outran their first time slice on the worker and ran again on a fiber.
+    /// Calls that outran their slice on the worker and ran again on the idle pool.
     pub reruns: AtomicU64,
-    /// Until when (milliseconds of the runtime's clock) calls go straight to a fiber:
-    /// set when a call outruns its slice.
+    /// Until when (milliseconds of the runtime's clock) calls go straight to the idle
+    /// pool: set when a call outruns its slice or fails costly ([`Self::demote`]).
     #[doc(hidden)]
-    pub fiber_until_ms: AtomicU64,
+    pub pool_until_ms: AtomicU64,
     counters: Mutex<BTreeMap<String, u64>>,
 }
 
 impl FilterStats {
+    /// Sends this filter's next calls on this route to the idle pool for
+    /// [`crate::runtime::POOL_FOR_MS`].
+    pub fn demote(&self) {
+        let until = crate::runtime::coarse_ms().saturating_add(crate::runtime::POOL_FOR_MS);
+        self.pool_until_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
     /// Records one call.
     pub fn record(&self, outcome: Outcome, fuel: u64, took: Duration) {
         if let Some(c) = self.outcomes.get(outcome.index()) {

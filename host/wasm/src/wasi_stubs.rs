@@ -10,7 +10,7 @@
 //! - `exit` ends the call as a trap.
 //!
 //! Being synchronous, they let a filter be instantiated and called on the worker itself,
-//! without a fiber.
+//! without a fiber or a future.
 
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 
