@@ -15,16 +15,27 @@ use postern_e2e::wasm_fixture::{HOSTILE, fixture};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_filters_fail_closed_with_defined_outcomes() {
     let mut f = fixture();
-    for (name, _, outcome) in HOSTILE {
+    for (name, limits, outcome) in HOSTILE {
+        // The filter's deadline: its manifest's, or the default 5 ms.
+        let deadline_ms = limits
+            .split("deadline_ms: ")
+            .nth(1)
+            .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+            .map_or(5, |v| v.parse::<u64>().unwrap());
         let before = f.echo.count().await;
         let t = Instant::now();
         let r = get(&f.node.url(&format!("/h/{name}")), &[]).await;
         let took = t.elapsed();
+        eprintln!("{name}: {outcome} in {took:?}");
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{name}: {:?}", r.body);
         assert_eq!(r.json()["code"], "filter_failed", "{name}");
         let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
         assert!(detail.ends_with(outcome), "{name}: expected {outcome}, got {detail:?}");
         assert!(took < Duration::from_secs(2), "{name} took {took:?}");
+        // Bounded by its deadline: interrupted at the first 1 ms tick past it at the latest,
+        // plus the request's own way through a debug build on a shared machine.
+        let bound = Duration::from_millis(deadline_ms + 250);
+        assert!(took <= bound, "{name} took {took:?}, past its {deadline_ms} ms deadline");
         assert_eq!(f.echo.count().await, before, "{name}: fail-closed must forward nothing");
         assert!(f.node.proc.alive(), "{name} brought the node down");
     }
