@@ -336,6 +336,31 @@ fn check_sizes(
     Ok(())
 }
 
+/// Whether a decision's sizes fit `limits` (the checks of [`apply_request_edits`] and
+/// [`make_reply`] that need no request): run on the idle pool's thread too, so that an
+/// oversized answer is refused and freed there, never on a worker.
+pub(crate) fn decision_fits(d: &types::Decision, limits: &Limits) -> Result<(), Outcome> {
+    match d {
+        types::Decision::Continue(e) => {
+            if e.path.as_ref().is_some_and(|p| p.len() > 8192) {
+                return Err(Outcome::BadOutput);
+            }
+            check_sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)
+        }
+        types::Decision::Respond(r) => {
+            if r.body.len() > limits.max_body_bytes {
+                return Err(Outcome::BadOutput);
+            }
+            check_sizes(&r.headers, &[], &[], limits)
+        }
+    }
+}
+
+/// Whether response edits fit `limits`, as [`decision_fits`].
+pub(crate) fn response_edits_fit(e: &types::ResponseEdits, limits: &Limits) -> Result<(), Outcome> {
+    check_sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)
+}
+
 /// Gateway-owned headers a filter may not set or remove.
 fn reserved(name: &HeaderName) -> bool {
     let n = name.as_str();

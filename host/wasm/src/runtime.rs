@@ -701,14 +701,16 @@ impl Runtime {
     }
 
     /// One call of the export at `export` in a fresh instance on the idle pool, under the
-    /// deadline of a call that started at `start`. The answer comes by the deadline (and
-    /// a little grace) even if the pool is busy: then it is `deadline_exceeded`, and the
-    /// queued call is dropped unrun.
+    /// deadline of a call that started at `start`; an answer that does not `fit` the
+    /// limits is `bad_output` there. The answer comes by the deadline (and a little
+    /// grace) even if the pool is busy: then it is `deadline_exceeded`, and the queued
+    /// call is dropped unrun.
     fn run_on_pool<P, R>(
         &self,
         b: &Binding,
         export: fn(&Exports) -> &ComponentExportIndex,
         params: P,
+        fits: fn(&R, &Limits) -> Result<(), Outcome>,
         start: Instant,
     ) -> impl Future<Output = Call<R>> + Send + 'static
     where
@@ -727,6 +729,7 @@ impl Runtime {
                 return;
             }
             let (store, result) = call_in_fresh_instance(&engine, metering, Lane::Pool, &b, export, params, start);
+            let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
             let _ = tx.send(finish(metering, store, result, start));
         });
         let queued = self.pool.try_send(job).is_ok();
@@ -765,7 +768,7 @@ impl Runtime {
         start: Instant,
     ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
         let params = (owned_request(req), owned_context(cx));
-        let call = self.run_on_pool::<OnRequestOwned, (types::Decision,)>(b, |e| &e.on_request, params, start);
+        let call = self.run_on_pool::<OnRequestOwned, _>(b, |e| &e.on_request, params, decision_fits, start);
         async move { call.await.map(|(d,)| d) }
     }
 
@@ -799,7 +802,7 @@ impl Runtime {
         start: Instant,
     ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
         let params = (owned_request(req), body.to_vec(), owned_context(cx));
-        let call = self.run_on_pool::<OnRequestBodyOwned, (types::Decision,)>(b, |e| &e.on_request_body, params, start);
+        let call = self.run_on_pool::<OnRequestBodyOwned, _>(b, |e| &e.on_request_body, params, decision_fits, start);
         async move { call.await.map(|(d,)| d) }
     }
 
@@ -851,7 +854,8 @@ impl Runtime {
             None => {
                 let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
                 let params = (head, owned_context(&cx));
-                self.run_on_pool::<OnResponseOwned, (types::ResponseEdits,)>(b, |e| &e.on_response, params, start).await
+                let fits = |(e,): &(types::ResponseEdits,), l: &Limits| crate::filter::response_edits_fit(e, l);
+                self.run_on_pool::<OnResponseOwned, _>(b, |e| &e.on_response, params, fits, start).await
             }
         };
         call.map(|(r,)| r)
@@ -932,6 +936,11 @@ where
             .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
     };
     (store, result)
+}
+
+/// [`crate::filter::decision_fits`] for a call's result.
+fn decision_fits((d,): &(types::Decision,), limits: &Limits) -> Result<(), Outcome> {
+    crate::filter::decision_fits(d, limits)
 }
 
 /// The call is final: its log lines and counters go out, and the store is dropped.
@@ -1359,6 +1368,20 @@ pub(crate) mod tests {
         let c = call(&rt, &b);
         assert_eq!(c.result.unwrap_err(), Outcome::Memory, "its own limit, on the pool");
         assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1, "stopped at 2 MiB on the worker");
+    }
+
+    #[test]
+    fn an_oversized_answer_is_refused_on_the_idle_pool_itself() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let limits = Limits { memory_bytes: 64 << 20, fuel: 100_000_000, deadline_ms: 2_000, ..Limits::default() };
+        let b = binding(&rt, "huge_header", "", limits);
+        b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
+        let c = call(&rt, &b);
+        assert_eq!(c.result.unwrap_err(), Outcome::BadOutput, "1,000 headers of 1 KiB never reach the worker");
+        // Within the limits, the same path answers.
+        let b = binding(&rt, "well_behaved", "", Limits::default());
+        b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
+        assert!(call(&rt, &b).result.is_ok());
     }
 
     #[test]
