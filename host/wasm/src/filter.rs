@@ -241,10 +241,8 @@ impl WasmFilter {
     fn conclude(&self, req: &mut RequestHead, call: Call<types::Decision>) -> Result<(), Reply> {
         let outcome = match call.result {
             Err(o) => Err(o),
-            Ok(types::Decision::Continue(edits)) => {
-                apply_request_edits(req, edits, &self.attachment.limits).map(|()| None)
-            }
-            Ok(types::Decision::Respond(reply)) => make_reply(reply, &self.attachment.limits).map(Some),
+            Ok(types::Decision::Continue(edits)) => apply_request_edits(req, edits).map(|()| None),
+            Ok(types::Decision::Respond(reply)) => make_reply(reply).map(Some),
         };
         match outcome {
             Ok(reply) => {
@@ -275,8 +273,6 @@ impl WasmFilter {
         };
         let (fuel, took) = (call.fuel, call.took);
         let result = call.result.and_then(|edits| {
-            let limits = &self.attachment.limits;
-            check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
             apply_headers(
                 &mut resp.headers,
                 header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?,
@@ -336,9 +332,9 @@ fn check_sizes(
     Ok(())
 }
 
-/// Whether a decision's sizes fit `limits` (the checks of [`apply_request_edits`] and
-/// [`make_reply`] that need no request): run on the idle pool's thread too, so that an
-/// oversized answer is refused and freed there, never on a worker.
+/// Whether a decision's sizes fit `limits`: checked by the runtime on the thread that ran
+/// the call (so an oversized answer from the idle pool is refused and freed there, never
+/// on a worker), before [`apply_request_edits`] or [`make_reply`] see it.
 pub(crate) fn decision_fits(d: &types::Decision, limits: &Limits) -> Result<(), Outcome> {
     match d {
         types::Decision::Continue(e) => {
@@ -429,14 +425,14 @@ fn apply_headers(h: &mut HeaderMap, edits: SmallVec<[Edit; 8]>) {
     }
 }
 
-fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits, limits: &Limits) -> Result<(), Outcome> {
-    check_sizes(&edits.set_headers, &edits.append_headers, &edits.remove_headers, limits)?;
+/// Applies edits whose sizes were checked ([`decision_fits`]).
+fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Result<(), Outcome> {
     // Validate everything before changing anything.
     let header_edits = header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
     let uri = match edits.path {
         None => None,
         Some(p) => {
-            if !p.starts_with('/') || p.len() > 8192 {
+            if !p.starts_with('/') {
                 return Err(Outcome::BadOutput);
             }
             let pq = PathAndQuery::from_maybe_shared(Bytes::from(p)).map_err(|_| Outcome::BadOutput)?;
@@ -452,12 +448,12 @@ fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits, limits
     Ok(())
 }
 
-fn make_reply(reply: types::Reply, limits: &Limits) -> Result<Reply, Outcome> {
+/// The reply of a decision whose sizes were checked ([`decision_fits`]).
+fn make_reply(reply: types::Reply) -> Result<Reply, Outcome> {
     let status = StatusCode::from_u16(reply.status).map_err(|_| Outcome::BadOutput)?;
-    if !(200..=599).contains(&reply.status) || reply.body.len() > limits.max_body_bytes {
+    if !(200..=599).contains(&reply.status) {
         return Err(Outcome::BadOutput);
     }
-    check_sizes(&reply.headers, &[], &[], limits)?;
     let mut headers = HeaderMap::with_capacity(reply.headers.len());
     apply_headers(&mut headers, header_edits(&[], &reply.headers, &[])?);
     Ok(Reply::Custom { status, headers, body: Bytes::from(reply.body) })

@@ -667,7 +667,8 @@ impl Runtime {
     }
 
     /// One call of the export at `export` in a fresh instance, on the worker itself:
-    /// most filters answer in microseconds. `None` when the call belongs on the idle pool
+    /// most filters answer in microseconds. An answer that does not `fit` the limits is
+    /// `bad_output`. `None` when the call belongs on the idle pool
     /// ([`Self::run_on_pool`]): the filter was demoted on this route (it outran its slice
     /// or failed costly recently), or this call just outran its slice (it was stopped;
     /// its log lines and counters are kept back until a run is final, so nothing counts
@@ -677,6 +678,7 @@ impl Runtime {
         b: &Binding,
         export: fn(&Exports) -> &ComponentExportIndex,
         params: P,
+        fits: fn(&R, &Limits) -> Result<(), Outcome>,
         start: Instant,
     ) -> Option<Call<R>>
     where
@@ -693,6 +695,7 @@ impl Runtime {
         let state = store.data();
         let out_of_slice = state.out_of_slice || (matches!(result, Err(Outcome::Fuel)) && state.fuel < b.limits.fuel);
         if !out_of_slice {
+            let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
             return Some(finish(self.metering, store, result, start));
         }
         b.stats.reruns.fetch_add(1, Ordering::Relaxed);
@@ -754,7 +757,7 @@ impl Runtime {
         cx: types::Context<'_>,
     ) -> Result<Call<types::Decision>, Instant> {
         let start = Instant::now();
-        let call = self.run_on_worker::<OnRequest<'_>, (types::Decision,)>(b, |e| &e.on_request, (req, cx), start);
+        let call = self.run_on_worker::<OnRequest<'_>, _>(b, |e| &e.on_request, (req, cx), decision_fits, start);
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
     }
 
@@ -782,10 +785,11 @@ impl Runtime {
         cx: types::Context<'_>,
     ) -> Result<Call<types::Decision>, Instant> {
         let start = Instant::now();
-        let call = self.run_on_worker::<OnRequestBody<'_>, (types::Decision,)>(
+        let call = self.run_on_worker::<OnRequestBody<'_>, _>(
             b,
             |e| &e.on_request_body,
             (req, body, cx),
+            decision_fits,
             start,
         );
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
@@ -844,18 +848,13 @@ impl Runtime {
         cx: types::Context<'_>,
     ) -> Call<types::ResponseEdits> {
         let start = Instant::now();
-        let call = match self.run_on_worker::<OnResponse<'_>, (types::ResponseEdits,)>(
-            b,
-            |e| &e.on_response,
-            (resp.clone(), cx.clone()),
-            start,
-        ) {
+        let params = (resp.clone(), cx.clone());
+        let call = match self.run_on_worker::<OnResponse<'_>, _>(b, |e| &e.on_response, params, response_fits, start) {
             Some(call) => call,
             None => {
                 let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
                 let params = (head, owned_context(&cx));
-                let fits = |(e,): &(types::ResponseEdits,), l: &Limits| crate::filter::response_edits_fit(e, l);
-                self.run_on_pool::<OnResponseOwned, _>(b, |e| &e.on_response, params, fits, start).await
+                self.run_on_pool::<OnResponseOwned, _>(b, |e| &e.on_response, params, response_fits, start).await
             }
         };
         call.map(|(r,)| r)
@@ -941,6 +940,11 @@ where
 /// [`crate::filter::decision_fits`] for a call's result.
 fn decision_fits((d,): &(types::Decision,), limits: &Limits) -> Result<(), Outcome> {
     crate::filter::decision_fits(d, limits)
+}
+
+/// [`crate::filter::response_edits_fit`] for a call's result.
+fn response_fits((e,): &(types::ResponseEdits,), limits: &Limits) -> Result<(), Outcome> {
+    crate::filter::response_edits_fit(e, limits)
 }
 
 /// The call is final: its log lines and counters go out, and the store is dropped.
