@@ -1,20 +1,17 @@
-//! Postern's built-in policies. Each is a [`FilterFactory`] on the filter contract; the
-//! proxy finds them by kind through [`factory`] when it builds a snapshot.
+//! Postern's built-in policies, on the filter contract. [`chain`] decides a route's
+//! filters and their order; the policies with node-wide state (authentication, rate
+//! limits) are built from a [`chain::Node`], the configurable kinds through [`factory`].
 
 use std::sync::Arc;
 
 use postern_filter_contract::{ConfigError, Filter, FilterFactory};
 
 pub mod auth;
+pub mod chain;
 pub mod headers;
 pub mod ratelimit;
 
 static FACTORIES: &[&dyn FilterFactory] = &[&headers::RequestHeadersFactory, &headers::ResponseHeadersFactory];
-
-/// Every built-in filter factory.
-pub fn factories() -> &'static [&'static dyn FilterFactory] {
-    FACTORIES
-}
 
 /// The factory for `kind`, if it is a built-in.
 pub fn factory(kind: &str) -> Option<&'static dyn FilterFactory> {

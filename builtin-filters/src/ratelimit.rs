@@ -9,9 +9,10 @@
 //! 64-bit hash, so millions of distinct keys cannot grow memory without bound: an idle
 //! bucket is evicted and comes back full, which is what it would have refilled to.
 //!
-//! A refused request gets 429 `rate_limited` with `Retry-After`; every request on a
-//! limited route gets `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-
-//! headers) for its most restrictive bucket.
+//! A refused request gets 429 `rate_limited` with `Retry-After`; an admitted one leaves
+//! `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers) for its most
+//! restrictive bucket in the request's [`Context`], and the proxy stamps them on whatever
+//! answers the request: the backend, a later filter, or the gateway itself.
 //!
 //! Alone (the embedded mode) a node enforces the whole limit. In a fleet
 //! ([`Limiter::fleet`]) each bucket enforces this node's *share* of the limit: the same
@@ -28,11 +29,13 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
-use postern_filter_contract::{Context, Filter, Flow, Problem, RequestHead, ResponseFlow, ResponseHead};
+use postern_filter_contract::{ConfigError, Context, Filter, Flow, Problem, RequestHead};
 use postern_model::{Plan, Rate, RouteRate};
 
-const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers).
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`: the state of the tightest bucket.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// The whole limit, as a share in millionths.
 pub const SHARE_ONE: u32 = 1_000_000;
@@ -348,7 +351,7 @@ fn seed(s: &[u8], salt: u64) -> u64 {
 
 impl RateLimitFilter {
     /// The filter for a route of `class` costing `cost` tokens, under the snapshot's plans.
-    pub fn new(limiter: Arc<Limiter>, spec: &RouteRate, plans: &BTreeMap<String, Plan>) -> Result<Self, String> {
+    pub fn new(limiter: Arc<Limiter>, spec: &RouteRate, plans: &BTreeMap<String, Plan>) -> Result<Self, ConfigError> {
         if spec.cost == 0 {
             return Err("rateLimit.cost must be at least 1".into());
         }
@@ -444,14 +447,6 @@ impl Filter for RateLimitFilter {
             let _ = cx.rate_limit.set((limit.policy.clone(), s));
         }
         Flow::Continue
-    }
-
-    fn on_response<'a>(&'a self, resp: &'a mut ResponseHead, cx: &'a Context) -> ResponseFlow<'a> {
-        if let Some((policy, state)) = cx.rate_limit.get() {
-            resp.headers.insert(RATELIMIT_POLICY, policy.clone());
-            resp.headers.insert(RATELIMIT, state.clone());
-        }
-        ResponseFlow::Done
     }
 }
 

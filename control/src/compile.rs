@@ -66,11 +66,10 @@ struct Ctx {
     root: PathBuf,
     diags: Vec<Diagnostic>,
     review: Vec<crate::config::ApprovedDoc>,
-    runtime: Option<std::sync::Arc<postern_wasm::Runtime>>,
+    /// The real Wasm sandbox, for modules, their configs and their sample cases.
+    sandbox: crate::engines::Sandbox,
     /// Module digest → file, for every module a route uses.
     modules: BTreeMap<String, PathBuf>,
-    /// Module digest → validation result, so a module is checked once.
-    checked: HashMap<String, Result<Arc<postern_wasm::Module>, String>>,
     /// Filter manifests whose sample cases ran.
     sampled: HashSet<PathBuf>,
     /// `platform/plans.yaml`.
@@ -187,9 +186,8 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         root: root.to_path_buf(),
         diags: Vec::new(),
         review: Vec::new(),
-        runtime: None,
+        sandbox: crate::engines::Sandbox::default(),
         modules: BTreeMap::new(),
-        checked: HashMap::new(),
         sampled: HashSet::new(),
         plans: PlansDoc::default(),
     };
@@ -551,7 +549,7 @@ fn compile_route(
         ("response-headers", "responseHeaders", &r.response_headers),
     ] {
         if let Some(cfg) = cfg {
-            if let Err(e) = postern_builtin_filters::build(kind, cfg) {
+            if let Err(e) = crate::engines::check_filter_config(kind, cfg) {
                 cx.error(file, format!("{field}.{sub}"), e.to_string(), owner);
             }
             filters.push(FilterSpec { kind: kind.to_owned(), config: cfg.clone() });
@@ -702,7 +700,7 @@ fn wasm_filter(
         return None;
     }
     let manifest: crate::config::FilterManifestDoc = cx.load(&manifest_path, owner)?;
-    let over = manifest.limits.over(&postern_wasm::Limits::MAXIMA);
+    let over = manifest.limits.over(&postern_model::wasm::Limits::MAXIMA);
     if !over.is_empty() {
         cx.error(&manifest_path, "limits", over.join("; "), owner);
         return None;
@@ -715,7 +713,7 @@ fn wasm_filter(
             return None;
         }
     };
-    let digest = postern_wasm::digest(&bytes);
+    let digest = postern_model::content_hash(&bytes);
     let approved = cx.review.iter().any(|a| a.digest == digest && a.team == team && a.filter == w.name);
     if !approved {
         cx.error(
@@ -726,37 +724,23 @@ fn wasm_filter(
         );
         return None;
     }
-    if !cx.checked.contains_key(&digest) {
-        let result = match &cx.runtime {
-            Some(rt) => Ok(rt.clone()),
-            None => postern_wasm::Runtime::new(&postern_wasm::RuntimeConfig { max_instances: 8, ..Default::default() })
-                .inspect(|rt| cx.runtime = Some(rt.clone()))
-                .map_err(|e| format!("cannot start the Wasm runtime: {e:#}")),
-        }
-        .and_then(|rt| rt.load(&bytes, Some(&digest)).map_err(|e| e.to_string()));
-        cx.checked.insert(digest.clone(), result);
-    }
-    let module = match cx.checked.get(&digest) {
-        Some(Ok(m)) => m.clone(),
-        Some(Err(e)) => {
-            let e = e.clone();
+    let module = match cx.sandbox.load(&bytes, &digest) {
+        Ok(m) => m,
+        Err(e) => {
             cx.error(&manifest_path, "module", format!("module {digest}: {e}"), owner);
             return None;
         }
-        None => return None,
     };
     if cx.sampled.insert(manifest_path.clone()) {
         run_samples(cx, &manifest_path, team, &module, &manifest);
     }
     cx.modules.insert(digest.clone(), module_path);
     // The filter's own check of its config (`init`), as each node will run it.
-    if let Some(rt) = &cx.runtime
-        && let Err(e) = rt.check_config(&module, &postern_wasm::config_bytes(&w.config), &manifest.limits)
-    {
+    if let Err(e) = cx.sandbox.check_config(&module, &w.config, &manifest.limits) {
         cx.error(file, format!("{field}.config"), format!("filter {}: {e}", w.name), owner);
         return None;
     }
-    let attachment = postern_wasm::Attachment {
+    let attachment = postern_model::wasm::Attachment {
         name: w.name.clone(),
         module: digest,
         limits: manifest.limits,
@@ -835,7 +819,6 @@ fn run_samples(
     module: &Arc<postern_wasm::Module>,
     manifest: &crate::config::FilterManifestDoc,
 ) {
-    let Some(rt) = cx.runtime.clone() else { return };
     for (i, case) in manifest.samples.iter().enumerate() {
         let field = format!("samples[{i}]");
         let r = &case.request;
@@ -845,7 +828,7 @@ fn run_samples(
             headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             body: r.body.as_ref().map(|b| b.clone().into_bytes()),
         };
-        let report = match crate::filter_run::run_loaded(&rt, module, &case.config, manifest.limits, &req) {
+        let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req) {
             Ok(r) => r,
             Err(e) => {
                 cx.error(manifest_path, field, format!("{:?}: cannot run: {e:#}", case.name), Some(team));

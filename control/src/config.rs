@@ -129,7 +129,7 @@ pub struct WasmAttachDoc {
     pub config: serde_json::Value,
     /// `fail_closed` (default) or `fail_open`.
     #[serde(default)]
-    pub failure: postern_wasm::FailurePolicy,
+    pub failure: postern_model::wasm::FailurePolicy,
     /// Also run the filter on the response head.
     #[serde(default)]
     pub response_phase: bool,
@@ -157,7 +157,7 @@ pub struct QuarantineDoc {
 
 impl Default for QuarantineDoc {
     fn default() -> Self {
-        let p = postern_wasm::QuarantinePolicy::default();
+        let p = postern_model::wasm::QuarantinePolicy::default();
         QuarantineDoc {
             failure_percent: p.failure_percent,
             min_calls: p.min_calls,
@@ -169,11 +169,11 @@ impl Default for QuarantineDoc {
 
 impl QuarantineDoc {
     /// The node's policy, or the field out of range and its bounds.
-    pub fn policy(&self) -> Result<postern_wasm::QuarantinePolicy, (&'static str, String)> {
+    pub fn policy(&self) -> Result<postern_model::wasm::QuarantinePolicy, (&'static str, String)> {
         let check = |field, v: u64, max: u64| {
             if (1..=max).contains(&v) { Ok(v) } else { Err((field, format!("{v} is out of range: 1 to {max}"))) }
         };
-        Ok(postern_wasm::QuarantinePolicy {
+        Ok(postern_model::wasm::QuarantinePolicy {
             failure_percent: check("failurePercent", self.failure_percent, 100)?,
             min_calls: check("minCalls", self.min_calls, 1_000_000)?,
             window_secs: check("windowSecs", self.window_secs, 3600)?,
@@ -190,7 +190,7 @@ pub struct FilterManifestDoc {
     pub module: String,
     /// Limits (defaults where absent); each at most the platform maximum.
     #[serde(default)]
-    pub limits: postern_wasm::Limits,
+    pub limits: postern_model::wasm::Limits,
     /// Sample cases run in the real sandbox at every compile: a request and the decision
     /// the filter must make.
     #[serde(default)]

@@ -11,16 +11,17 @@
 //! - `platform/deny.jsonl`: one deny entry per line, as written by `posternctl token
 //!   revoke`, added to `deny` in `auth.yaml`.
 //!
-//! The result is checked exactly as a node would load it ([`CredentialStore::build`])
+//! The result is checked exactly as a node would load it ([`crate::engines::check_credentials`])
 //! before anything is written.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
 
-use postern_builtin_filters::auth::{CredentialStore, unix_now};
+use crate::engines::StoreError;
 use postern_model::credentials::{
     Alg, ApiKey, App, CREDENTIALS_SCHEMA, Credentials, DenyEntry, JwtSettings, SigningKey,
 };
+use postern_model::disk::unix_now;
 use postern_model::{Plan, SnapshotFile};
 use serde::Deserialize;
 
@@ -231,22 +232,21 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
         keys: keys.into_iter().map(|(_, k)| k).collect(),
         deny,
     };
-    match CredentialStore::build(0, &creds, unix_now()) {
-        Ok(_) => Ok(creds),
+    match crate::engines::check_credentials(&creds, unix_now()) {
+        Ok(()) => Ok(creds),
         Err(e) => Err(vec![locate_store_error(&e, &lines)]),
     }
 }
 
-/// Names the file (and line, for a key) a [`CredentialStore::build`] error is about.
-fn locate_store_error(e: &str, lines: &[usize]) -> String {
-    if let Some(rest) = e.strip_prefix("keys[")
-        && let Some((index, rest)) = rest.split_once(']')
-        && let Ok(index) = index.parse::<usize>()
-        && let Some(line) = lines.get(index)
-    {
-        return format!("{KEYS_FILE}:{line}: key{rest}");
+/// Names the file (and line, for a key) a credential state's error is about.
+fn locate_store_error(e: &StoreError, lines: &[usize]) -> String {
+    match e {
+        StoreError::Key { index, id, problem } => match lines.get(*index) {
+            Some(line) => format!("{KEYS_FILE}:{line}: key (id {id:?}): {problem}"),
+            None => format!("{KEYS_FILE}: {e}"),
+        },
+        StoreError::Other(_) => format!("{AUTH_FILE}: {e}"),
     }
-    format!("{AUTH_FILE}: {e}")
 }
 
 /// Writes `creds` to `out` as a sealed envelope, atomically, and returns the envelope.
@@ -286,7 +286,7 @@ mod tests {
     }
 
     fn key_line(id: &str, plan: &str) -> String {
-        let sha = hex::encode(postern_builtin_filters::auth::apikey::hash(id.as_bytes()));
+        let sha = hex::encode(postern_model::apikey::hash(id.as_bytes()));
         format!(r#"{{"id":"{id}","sha256":"{sha}","app":"app1","tenant":"t1","plan":"{plan}"}}"#)
     }
 

@@ -5,8 +5,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use postern_model::wasm::Limits;
 use postern_wasm::runtime::types;
-use postern_wasm::{Binding, FilterStats, Limits, LoadError, Module, Runtime, RuntimeConfig};
+use postern_wasm::{Binding, FilterStats, LoadError, Module, Runtime, RuntimeConfig};
 
 /// One request to run a filter on.
 #[derive(Debug, Clone)]
@@ -75,7 +76,7 @@ pub fn run_loaded(
         names.iter().zip(&req.headers).map(|(k, (_, v))| (k.as_str(), v.as_bytes())).collect();
     let wit_req = types::Request { method: &req.method, path, query, authority: Some("localhost"), headers: &headers };
     let request_id = "0".repeat(32);
-    let config = postern_wasm::config_bytes(config);
+    let config = postern_model::wasm::config_bytes(config);
     // As the gateway does: the filter's `init` checks the config and may pre-initialise it.
     let prepared = match runtime.prepare(m, &config, &limits) {
         Ok(p) => p,

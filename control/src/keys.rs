@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
-use postern_builtin_filters::auth::apikey::{self, KeyEnv};
+use postern_model::apikey::{self, KeyEnv};
 use postern_model::credentials::{Alg, ApiKey, DenyEntry, KeyStatus, Priority};
 use serde::Serialize;
 
@@ -114,7 +114,7 @@ impl KeysFile {
         }
         let mut text = self.lines.join("\n");
         text.push('\n');
-        crate::write_atomic(&self.path, text.as_bytes())
+        Ok(crate::write_atomic(&self.path, text.as_bytes())?)
     }
 }
 
@@ -585,7 +585,7 @@ mod tests {
         use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 
         let pair = keygen(alg).unwrap();
-        let now = postern_builtin_filters::auth::unix_now();
+        let now = postern_model::disk::unix_now();
         let req = MintRequest {
             alg,
             kid: "k1",

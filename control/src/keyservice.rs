@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use postern_builtin_filters::auth::apikey::KeyEnv;
-use postern_builtin_filters::auth::unix_now;
 use postern_model::Plan;
+use postern_model::apikey::KeyEnv;
 use postern_model::credentials::Credentials;
+use postern_model::disk::unix_now;
 use serde::{Deserialize, Serialize};
 
 use crate::credentials::{DENY_FILE, KEYS_FILE, compile_credentials};
@@ -128,7 +128,7 @@ impl Saved {
     fn restore(&self) {
         for (path, bytes) in &self.0 {
             let _ = match bytes {
-                Some(b) => crate::write_atomic(path, b),
+                Some(b) => crate::write_atomic(path, b).map_err(anyhow::Error::from),
                 None => std::fs::remove_file(path).map_err(anyhow::Error::from),
             };
         }

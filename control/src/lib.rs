@@ -31,6 +31,7 @@ macro_rules! outln {
 pub mod compile;
 pub mod config;
 pub mod credentials;
+pub mod engines;
 pub mod filter_run;
 pub mod keys;
 pub mod keyservice;
@@ -85,44 +86,8 @@ pub fn publish(compiled: &Compiled, out: &Path, version: Option<u64>) -> anyhow:
         file.version = if prev.hash == file.hash { prev.version } else { prev.version + 1 };
     }
     let bytes = serde_json::to_vec(&file)?;
-    let tmp = out.with_extension("json.tmp");
-    std::fs::write(&tmp, &bytes).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", tmp.display()))?;
-    {
-        let f = std::fs::File::open(&tmp)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, out)
-        .map_err(|e| anyhow::anyhow!("cannot move {} to {}: {e}", tmp.display(), out.display()))?;
+    write_atomic(out, &bytes)?;
     Ok(file)
 }
 
-/// Replaces `path` with `bytes` atomically: writes `<path>.tmp`, syncs it to disk, renames
-/// it over `path`, then syncs the directory (best effort), so a reader sees the old file
-/// or the new one, never a partial one.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    use std::io::Write;
-
-    let name =
-        path.file_name().ok_or_else(|| anyhow::anyhow!("{} is not a file path", path.display()))?.to_string_lossy();
-    let tmp = path.with_file_name(format!("{name}.tmp"));
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        anyhow::bail!("cannot write {}: {e}", tmp.display());
-    }
-    if let Err(e) = std::fs::rename(&tmp, path) {
-        let _ = std::fs::remove_file(&tmp);
-        anyhow::bail!("cannot move {} to {}: {e}", tmp.display(), path.display());
-    }
-    if let Some(dir) = path.parent() {
-        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-    }
-    Ok(())
-}
+pub use postern_model::disk::write_atomic;

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use postern_builtin_filters::auth::apikey::KeyEnv;
-use postern_builtin_filters::auth::unix_now;
+use postern_model::apikey::KeyEnv;
 use postern_model::credentials::{Alg, Credentials, Priority};
+use postern_model::disk::unix_now;
 use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
 use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
 use posternctl::{out, outln};
@@ -374,7 +374,8 @@ enum FilterCommand {
 fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
     let FilterCommand::Run { module, config, limits, method, path, headers, body } = command;
     let config: serde_json::Value = serde_json::from_str(&config).map_err(|e| anyhow::anyhow!("--config: {e}"))?;
-    let limits: postern_wasm::Limits = serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("--limits: {e}"))?;
+    let limits: postern_model::wasm::Limits =
+        serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("--limits: {e}"))?;
     let headers = headers
         .iter()
         .map(|h| {

@@ -34,16 +34,15 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tokio::sync::watch;
 
+use postern_model::protocol::{Ack, MAX_WAIT_S, Poll};
 use postern_model::report::{Report, RouteCounts, Watch};
 
 use crate::keyservice::Op;
 use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
-use crate::store::{Change, Kind, Store, Version};
+use crate::store::{Change, Lane, Store, Version};
 
 /// A node counts as live while it polled within this long.
 const LIVE_FOR: Duration = Duration::from_secs(60);
-/// Longest long poll.
-const MAX_WAIT_S: u64 = 60;
 /// How often to look for versions published by another instance.
 const STORE_POLL: Duration = Duration::from_millis(250);
 
@@ -147,8 +146,8 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         );
     }
     let heads = (
-        store.head(Kind::Snapshot).await?.map_or(0, |v| v.number),
-        store.head(Kind::Credentials).await?.map_or(0, |v| v.number),
+        store.head(Lane::Snapshot).await?.map_or(0, |v| v.number),
+        store.head(Lane::Credentials).await?.map_or(0, |v| v.number),
         0,
     );
     let server = Arc::new(Server {
@@ -204,8 +203,8 @@ impl Server {
             tokio::time::sleep(STORE_POLL).await;
             // A publish here in progress sets its rollout up before nodes see its head.
             let Ok(_quiet) = self.publishing.try_lock() else { continue };
-            let s = self.store.head(Kind::Snapshot).await.ok().flatten().map(|v| v.number);
-            let c = self.store.head(Kind::Credentials).await.ok().flatten().map(|v| v.number);
+            let s = self.store.head(Lane::Snapshot).await.ok().flatten().map(|v| v.number);
+            let c = self.store.head(Lane::Credentials).await.ok().flatten().map(|v| v.number);
             self.heads.send_if_modified(|h| {
                 let next = (s.unwrap_or(h.0).max(h.0), c.unwrap_or(h.1).max(h.1), h.2);
                 let changed = next != *h;
@@ -235,21 +234,19 @@ impl Server {
         let role = who.role.as_str();
         match (req.method().clone(), parts.as_slice()) {
             (Method::GET, ["v1", "nodes", node, lane]) if role == "node" => {
-                let Some(kind) = lane_kind(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
-                let have = param("have").and_then(|v| v.parse().ok()).unwrap_or(0);
-                let wait = param("wait").and_then(|v| v.parse().ok()).unwrap_or(25).min(MAX_WAIT_S);
+                let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let poll = Poll::from_query(&query);
                 // What the node runs now (it may have booted from disk, with no ACK).
-                if let Some(running) = param("running").and_then(|v| v.parse::<u64>().ok()) {
+                if let Some(running) = poll.running {
                     self.record(node, kind, |lane| lane.version = running);
                 }
-                if param("canary").as_deref() == Some("1") {
+                if poll.canary {
                     self.set_canary(node);
                 }
-                let full = param("full").as_deref() == Some("1");
-                self.poll(node, kind, have, Duration::from_secs(wait), full).await
+                self.poll(node, kind, poll.have, Duration::from_secs(poll.wait_s), poll.full).await
             }
             (Method::POST, ["v1", "nodes", node, lane, "ack"]) if role == "node" => {
-                let Some(kind) = lane_kind(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
                 let node = (*node).to_owned();
                 match read_json::<Ack>(req).await {
                     Ok(ack) => self.ack(&node, kind, ack),
@@ -339,18 +336,18 @@ impl Server {
         deltas.iter().find(|(b, v, _)| *b == base && *v == version).map(|(_, _, d)| d.clone())
     }
 
-    async fn poll(&self, node: &str, kind: Kind, have: u64, wait: Duration, full: bool) -> Response<Body> {
+    async fn poll(&self, node: &str, kind: Lane, have: u64, wait: Duration, full: bool) -> Response<Body> {
         self.touch(node);
         let mut rx = self.heads.subscribe();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let heads = *rx.borrow_and_update();
             let target = match kind {
-                Kind::Snapshot => self.snapshot_target(node, heads.0),
-                Kind::Credentials => heads.1,
+                Lane::Snapshot => self.snapshot_target(node, heads.0),
+                Lane::Credentials => heads.1,
             };
             if target != 0 && target != have {
-                if kind == Kind::Credentials
+                if kind == Lane::Credentials
                     && !full
                     && let Some(delta) = self.delta(have, target)
                 {
@@ -377,19 +374,19 @@ impl Server {
         }
     }
 
-    fn record(&self, node: &str, kind: Kind, f: impl FnOnce(&mut LaneState)) {
+    fn record(&self, node: &str, kind: Lane, f: impl FnOnce(&mut LaneState)) {
         self.touch(node);
         if let Ok(mut nodes) = self.nodes.lock()
             && let Some(n) = nodes.get_mut(node)
         {
             f(match kind {
-                Kind::Snapshot => &mut n.snapshot,
-                Kind::Credentials => &mut n.credentials,
+                Lane::Snapshot => &mut n.snapshot,
+                Lane::Credentials => &mut n.credentials,
             });
         }
     }
 
-    fn ack(&self, node: &str, kind: Kind, ack: Ack) -> Response<Body> {
+    fn ack(&self, node: &str, kind: Lane, ack: Ack) -> Response<Body> {
         let (ok, version, running) = (ack.ok, ack.version, ack.running);
         let error = ack.error.unwrap_or_default();
         self.record(node, kind, |lane| {
@@ -427,7 +424,7 @@ impl Server {
     /// Takes a node's report; answers with the routes to report next.
     fn report(&self, node: &str, report: Report) -> Watch {
         let version = report.snapshot;
-        self.record(node, Kind::Snapshot, |lane| lane.version = version);
+        self.record(node, Lane::Snapshot, |lane| lane.version = version);
         let Ok(mut reports) = self.reports.lock() else { return Watch::default() };
         let previous = reports.remove(node);
         let Ok(mut rollout) = self.rollout.lock() else { return Watch::default() };
@@ -494,11 +491,11 @@ impl Server {
         let Some(r) = self.take_rollout() else { return };
         eprintln!("posternctl serve: reverting v{}: {why}", r.to);
         let note = format!("v{} reverted to the contents of v{}: {why}", r.to, r.from);
-        let published = match self.store.get(Kind::Snapshot, r.from).await {
+        let published = match self.store.get(Lane::Snapshot, r.from).await {
             Ok(Some(old)) => match postern_model::SnapshotFile::open_envelope(&old.bytes) {
                 Ok(f) => {
                     let change = Change {
-                        kind: Kind::Snapshot,
+                        kind: Lane::Snapshot,
                         content: &f.content,
                         who: "rollout",
                         action: "auto-revert",
@@ -600,7 +597,7 @@ impl Server {
             }
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
-        let previous = match self.store.head(Kind::Snapshot).await {
+        let previous = match self.store.head(Lane::Snapshot).await {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
@@ -632,7 +629,7 @@ impl Server {
         }
         let s = match self
             .store
-            .publish(&Change { kind: Kind::Snapshot, content: &snapshot, who, action: "publish", note: "" })
+            .publish(&Change { kind: Lane::Snapshot, content: &snapshot, who, action: "publish", note: "" })
             .await
         {
             Ok(v) => v,
@@ -640,7 +637,7 @@ impl Server {
         };
         let c = match self
             .store
-            .publish(&Change { kind: Kind::Credentials, content: &credentials, who, action: "publish", note: "" })
+            .publish(&Change { kind: Lane::Credentials, content: &credentials, who, action: "publish", note: "" })
             .await
         {
             Ok(v) => v,
@@ -695,7 +692,7 @@ impl Server {
                 }
             }
         }
-        let creds_head = self.store.head(Kind::Credentials).await.ok().flatten();
+        let creds_head = self.store.head(Lane::Credentials).await.ok().flatten();
         let same_creds = creds_head
             .and_then(|v| postern_model::SnapshotFile::open_envelope(&v.bytes).ok())
             .is_some_and(|f| f.content.get() == credentials.get());
@@ -728,7 +725,7 @@ impl Server {
     async fn key_op(&self, who: &str, op: Op, wait: Duration) -> Response<Body> {
         let (action, note) = op.describe();
         let one = self.publishing.lock().await;
-        let plans = match self.store.head(Kind::Snapshot).await {
+        let plans = match self.store.head(Lane::Snapshot).await {
             Ok(Some(v)) => match postern_model::SnapshotFile::open(&v.bytes) {
                 Ok((_, s)) => s.plans,
                 Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -736,7 +733,7 @@ impl Server {
             Ok(None) => return error(StatusCode::CONFLICT, "publish a snapshot (with its plans) first"),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
-        let base = match self.store.head(Kind::Credentials).await {
+        let base = match self.store.head(Lane::Credentials).await {
             Ok(v) => v.map(|v| v.number),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
@@ -756,7 +753,7 @@ impl Server {
             Ok(c) => c,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
-        let change = Change { kind: Kind::Credentials, content: &content, who, action, note: &note };
+        let change = Change { kind: Lane::Credentials, content: &content, who, action, note: &note };
         let (v, changed) = match self.store.publish(&change).await {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
@@ -804,7 +801,7 @@ impl Server {
 
     async fn rollback(&self, who: &str, to: u64) -> Response<Body> {
         let _one = self.publishing.lock().await;
-        let old = match self.store.get(Kind::Snapshot, to).await {
+        let old = match self.store.get(Lane::Snapshot, to).await {
             Ok(Some(v)) => v,
             Ok(None) => return error(StatusCode::NOT_FOUND, format!("no snapshot v{to}")),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
@@ -818,7 +815,7 @@ impl Server {
             self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "rolled_back", "by": who}));
         }
         let note = format!("contents of v{to}");
-        let change = Change { kind: Kind::Snapshot, content: &content, who, action: "rollback", note: &note };
+        let change = Change { kind: Lane::Snapshot, content: &content, who, action: "rollback", note: &note };
         match self.store.publish(&change).await {
             Ok((v, changed)) => {
                 self.heads.send_modify(|h| {
@@ -835,14 +832,6 @@ impl Server {
     }
 }
 
-fn lane_kind(s: &str) -> Option<Kind> {
-    match s {
-        "snapshot" => Some(Kind::Snapshot),
-        "credentials" => Some(Kind::Credentials),
-        _ => None,
-    }
-}
-
 fn version_response(v: &Version) -> Response<Body> {
     let mut r = Response::new(Full::new(Bytes::copy_from_slice(&v.bytes)));
     r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
@@ -850,22 +839,6 @@ fn version_response(v: &Version) -> Response<Body> {
         r.headers_mut().insert("x-postern-version", h);
     }
     r
-}
-
-/// A node's answer about one version.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Ack {
-    /// The version it was given.
-    version: u64,
-    /// Applied.
-    ok: bool,
-    /// Why not.
-    #[serde(default)]
-    error: Option<String>,
-    /// The version it runs now.
-    #[serde(default)]
-    running: u64,
 }
 
 async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {

@@ -11,28 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use postern_model::SnapshotFile;
+use postern_model::disk::unix_now;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-/// What a version holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Kind {
-    /// Routes, clusters, plans, filters: the staged lane.
-    Snapshot,
-    /// Keys, signing keys, apps, deny list: the fast lane.
-    Credentials,
-}
-
-impl Kind {
-    /// The name used in paths, tables and URLs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::Snapshot => "snapshot",
-            Kind::Credentials => "credentials",
-        }
-    }
-}
+pub use postern_model::protocol::Lane;
 
 /// One published version.
 #[derive(Debug, Clone)]
@@ -49,7 +32,7 @@ pub struct Version {
 #[derive(Debug, Clone, Copy)]
 pub struct Change<'a> {
     /// Which lane.
-    pub kind: Kind,
+    pub kind: Lane,
     /// The content (JSON), sealed with the next number.
     pub content: &'a serde_json::value::RawValue,
     /// Who (audited).
@@ -70,7 +53,7 @@ pub struct AuditEntry {
     /// What (`publish`, `rollback`, ...).
     pub action: String,
     /// Which lane.
-    pub kind: Kind,
+    pub kind: Lane,
     /// The version made.
     pub version: u64,
     /// Free text (e.g. "rollback to v3").
@@ -105,7 +88,7 @@ impl Store {
     }
 
     /// The newest version of `kind`.
-    pub async fn head(&self, kind: Kind) -> anyhow::Result<Option<Version>> {
+    pub async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
         match self {
             Store::Dir(d) => d.head(kind).await,
             Store::Postgres(p) => p.head(kind).await,
@@ -113,7 +96,7 @@ impl Store {
     }
 
     /// Version `number` of `kind`.
-    pub async fn get(&self, kind: Kind, number: u64) -> anyhow::Result<Option<Version>> {
+    pub async fn get(&self, kind: Lane, number: u64) -> anyhow::Result<Option<Version>> {
         match self {
             Store::Dir(d) => d.get(kind, number),
             Store::Postgres(p) => p.get(kind, number).await,
@@ -168,10 +151,6 @@ fn is_hex_digest(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
 /// The embedded store: `<root>/<kind>/<number>.json` (written whole, then renamed),
 /// `<root>/modules/<hex>.wasm` and `<root>/audit.jsonl`. One writer: the serving process.
 pub struct DirStore {
@@ -189,7 +168,7 @@ impl DirStore {
         Ok(DirStore { root: root.to_path_buf(), lock: Mutex::new(()) })
     }
 
-    fn numbers(&self, kind: Kind) -> anyhow::Result<Vec<u64>> {
+    fn numbers(&self, kind: Lane) -> anyhow::Result<Vec<u64>> {
         let mut out = Vec::new();
         for entry in std::fs::read_dir(self.root.join(kind.as_str()))? {
             let name = entry?.file_name();
@@ -201,7 +180,7 @@ impl DirStore {
         Ok(out)
     }
 
-    fn get(&self, kind: Kind, number: u64) -> anyhow::Result<Option<Version>> {
+    fn get(&self, kind: Lane, number: u64) -> anyhow::Result<Option<Version>> {
         let path = self.root.join(kind.as_str()).join(format!("{number}.json"));
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
@@ -212,7 +191,7 @@ impl DirStore {
         Ok(Some(Version { number: file.version, hash: file.hash, bytes: bytes.into() }))
     }
 
-    async fn head(&self, kind: Kind) -> anyhow::Result<Option<Version>> {
+    async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
         match self.numbers(kind)?.last() {
             Some(&n) => self.get(kind, n),
             None => Ok(None),
@@ -338,7 +317,7 @@ impl PgStore {
         Ok(client)
     }
 
-    fn row(kind: Kind, row: &tokio_postgres::Row) -> anyhow::Result<Version> {
+    fn row(kind: Lane, row: &tokio_postgres::Row) -> anyhow::Result<Version> {
         let number: i64 = row.try_get(0)?;
         let hash: String = row.try_get(1)?;
         let body: Vec<u8> = row.try_get(2)?;
@@ -348,11 +327,11 @@ impl PgStore {
         Ok(Version { number: u64::try_from(number)?, hash, bytes: body.into() })
     }
 
-    async fn head(&self, kind: Kind) -> anyhow::Result<Option<Version>> {
+    async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
         PgStore::head_on(&self.client, kind).await
     }
 
-    async fn head_on(client: &tokio_postgres::Client, kind: Kind) -> anyhow::Result<Option<Version>> {
+    async fn head_on(client: &tokio_postgres::Client, kind: Lane) -> anyhow::Result<Option<Version>> {
         let rows = client
             .query(
                 "SELECT version, hash, body FROM postern_versions WHERE kind = $1 ORDER BY version DESC LIMIT 1",
@@ -362,7 +341,7 @@ impl PgStore {
         rows.first().map(|r| PgStore::row(kind, r)).transpose()
     }
 
-    async fn get(&self, kind: Kind, number: u64) -> anyhow::Result<Option<Version>> {
+    async fn get(&self, kind: Lane, number: u64) -> anyhow::Result<Option<Version>> {
         let n = i64::try_from(number)?;
         let rows = self
             .client
@@ -381,7 +360,7 @@ impl PgStore {
         let client = self.writer.lock().await;
         client.batch_execute("BEGIN").await?;
         let result = async {
-            let lane = if kind == Kind::Snapshot { 1i64 } else { 2 };
+            let lane = if kind == Lane::Snapshot { 1i64 } else { 2 };
             client.execute("SELECT pg_advisory_xact_lock(7107, $1::int)", &[&(lane as i32)]).await?;
             let head = PgStore::head_on(&client, kind).await?;
             if let Some(h) = head.as_ref().filter(|h| h.hash == hash) {
@@ -445,7 +424,7 @@ impl PgStore {
                     at: u64::try_from(r.try_get::<_, i64>(0)?)?,
                     who: r.try_get(1)?,
                     action: r.try_get(2)?,
-                    kind: if kind == "credentials" { Kind::Credentials } else { Kind::Snapshot },
+                    kind: if kind == "credentials" { Lane::Credentials } else { Lane::Snapshot },
                     version: u64::try_from(r.try_get::<_, i64>(4)?)?,
                     note: r.try_get(5)?,
                 })

@@ -3,13 +3,18 @@
 //!
 //! Modules follow the request: [`server`] accepts connections per pool, [`proxy`] runs
 //! the request path over the [`snapshot`] (routes from `postern-router`, filters from the
-//! filter contract), [`body`] streams bodies, [`respond`] is the one place errors become
-//! responses, [`metrics`] and [`admin`] make it observable.
+//! filter contract), [`body`] streams bodies, [`error`] classifies failures by origin,
+//! [`respond`] is the one place errors become responses, [`metrics`] and [`admin`] make it
+//! observable. [`live`] holds the node's live state and its copies on disk; versions reach
+//! it from files (the watcher in [`server`]) or from the control plane
+//! ([`control_client`]).
 
 pub mod admin;
 pub mod body;
-pub mod control;
+pub mod control_client;
+pub mod error;
 pub mod headers;
+pub mod live;
 pub mod metrics;
 pub mod proxy;
 pub mod ratesync;

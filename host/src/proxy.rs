@@ -7,21 +7,23 @@
 use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::header::{CONTENT_LENGTH, HOST};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
-use postern_filter_contract::{Context, Flow, Problem, Reply, ResponseFlow};
+use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
+use postern_filter_contract::{Context, Flow, Reply, RequestHead, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
 
 use crate::body::{LimitedBody, ResponseBody, UpstreamBody, is_too_large};
+use crate::error::ProxyError;
 use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
-use crate::metrics::{Metrics, RouteMetrics};
-use crate::respond::{self, problems};
+use crate::metrics::Metrics;
+use crate::respond;
 use crate::snapshot::{CompiledRoute, Live, Rewrite};
 use http_body_util::BodyExt;
 
@@ -143,47 +145,144 @@ fn rewrite_path(path: &str, query: Option<&str>, rw: &Rewrite) -> Option<PathAnd
     PathAndQuery::from_maybe_shared(out).ok()
 }
 
-/// Serves one request.
+/// How a request ended before the backend's answer could be relayed.
+#[derive(Debug)]
+enum Ending {
+    /// A filter answered the request itself.
+    Reply(Reply),
+    /// The gateway could not serve it.
+    Error(ProxyError),
+}
+
+impl From<ProxyError> for Ending {
+    fn from(e: ProxyError) -> Ending {
+        Ending::Error(e)
+    }
+}
+
+/// What one request has learnt on its way, for its one [`Exchange::finish`].
+struct Exchange<'l> {
+    start: Instant,
+    rid: HeaderValue,
+    /// The route, once one matched.
+    route: Option<&'l CompiledRoute>,
+    /// The filters' shared context, on routes with filters.
+    cx: Option<Context>,
+    /// Time spent waiting for the backend's response head.
+    waited: Duration,
+}
+
+/// Serves one request: every way it can end goes through [`Exchange::finish`].
 pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming>) -> Response<ResponseBody> {
     let start = Instant::now();
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
-    let (mut parts, body) = req.into_parts();
+    let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO };
+    let result = forward(&conn, &live, &mut ex, trace, req).await;
+    ex.finish(&gw, result)
+}
 
-    let fail = |p: Problem, m: &RouteMetrics| -> Response<ResponseBody> {
-        gw.metrics.problem(p.code);
-        let mut resp = respond::problem(&p, &rid);
+impl Exchange<'_> {
+    /// The one ending of every request: renders a filter's or the gateway's own answer,
+    /// stamps what every response carries (`x-request-id`, the route's response headers,
+    /// the rate-limit state), and counts it — status class, latency and gateway-added
+    /// latency, per route, and the problem code.
+    fn finish(self, gw: &Gateway, result: Result<Response<ResponseBody>, Ending>) -> Response<ResponseBody> {
+        let mut resp = match result {
+            Ok(resp) => resp,
+            Err(Ending::Reply(reply)) => {
+                if let Reply::Problem(p) = &reply {
+                    gw.metrics.problem(p.code);
+                }
+                respond::reply(reply, &self.rid)
+            }
+            Err(Ending::Error(e)) => {
+                let p = respond::error(&e);
+                gw.metrics.problem(p.code);
+                respond::problem(&p, &self.rid)
+            }
+        };
+        let h = resp.headers_mut();
+        if let Some(route) = self.route {
+            for (k, v) in &route.response_headers {
+                h.insert(k.clone(), v.clone());
+            }
+        }
+        if let Some((policy, state)) = self.cx.as_ref().and_then(|cx| cx.rate_limit.get()) {
+            h.insert(RATELIMIT_POLICY, policy.clone());
+            h.insert(RATELIMIT, state.clone());
+        }
+        h.insert(X_REQUEST_ID, self.rid);
+        let m = self.route.map_or(&gw.metrics.unrouted, |r| &*r.metrics);
         m.count(resp.status().as_u16());
-        m.latency.observe(start.elapsed());
-        m.added.observe(start.elapsed());
-        resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
+        let total = self.start.elapsed();
+        m.latency.observe(total);
+        m.added.observe(total.saturating_sub(self.waited));
         resp
-    };
-
-    if has_dot_segment(parts.uri.path()) {
-        return fail(problems::invalid_path("dot segments are not allowed in the path"), &gw.metrics.unrouted);
     }
-    let Some(host) = request_host(&parts) else {
-        return fail(problems::bad_request("the request has no host"), &gw.metrics.unrouted);
-    };
-    let route: &CompiledRoute =
+}
+
+/// Runs the filters' request phase in order; the first that answers ends the request.
+async fn run_request_filters(route: &CompiledRoute, parts: &mut RequestHead, cx: &Context) -> Result<(), Ending> {
+    for f in &route.filters {
+        match f.on_request(parts, cx) {
+            Flow::Continue => {}
+            Flow::Respond(r) => return Err(Ending::Reply(r)),
+            Flow::Wait(fut) => fut.await.map_err(Ending::Reply)?,
+        }
+    }
+    Ok(())
+}
+
+/// Runs the filters' request-body phase in order; the first that answers ends the request.
+async fn run_body_filters(
+    route: &CompiledRoute,
+    parts: &mut RequestHead,
+    body: &[u8],
+    cx: &Context,
+) -> Result<(), Ending> {
+    for f in &route.filters {
+        match f.on_request_body(parts, body, cx) {
+            Flow::Continue => {}
+            Flow::Respond(r) => return Err(Ending::Reply(r)),
+            Flow::Wait(fut) => fut.await.map_err(Ending::Reply)?,
+        }
+    }
+    Ok(())
+}
+
+/// The request path from routing to the backend's response head.
+async fn forward<'l>(
+    conn: &ConnInfo,
+    live: &'l Live,
+    ex: &mut Exchange<'l>,
+    trace: u128,
+    req: Request<Incoming>,
+) -> Result<Response<ResponseBody>, Ending> {
+    let (mut parts, body) = req.into_parts();
+    if has_dot_segment(parts.uri.path()) {
+        return Err(ProxyError::InvalidPath("dot segments are not allowed in the path").into());
+    }
+    let host = request_host(&parts).ok_or(ProxyError::BadRequest("the request has no host"))?;
+    let route: &'l CompiledRoute =
         match live.router(conn.pool).find(&host, &parts.method, parts.uri.path(), &parts.headers) {
             Match::Found(r) => r,
-            Match::NotFound => return fail(problems::route_not_found(), &gw.metrics.unrouted),
+            Match::NotFound => return Err(ProxyError::RouteNotFound.into()),
             Match::MethodNotAllowed(allowed) => {
                 let allow = HeaderValue::from_str(&allowed.to_allow_header()).unwrap_or(HeaderValue::from_static(""));
-                return fail(problems::method_not_allowed(allow), &gw.metrics.unrouted);
+                return Err(ProxyError::MethodNotAllowed(allow).into());
             }
         };
     drop(host);
-    let m = &*route.metrics;
+    ex.route = Some(route);
+    let too_large = ProxyError::BodyTooLarge { limit: route.max_body_bytes };
 
     // Content-Length is the fast path; counting bytes is the real limit.
     if let Some(len) = parts.headers.get(CONTENT_LENGTH) {
         match len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
-            Some(n) if n > route.max_body_bytes => return fail(problems::payload_too_large(route.max_body_bytes), m),
+            Some(n) if n > route.max_body_bytes => return Err(too_large.into()),
             Some(_) => {}
-            None => return fail(problems::bad_request("invalid Content-Length"), m),
+            None => return Err(ProxyError::BadRequest("invalid Content-Length").into()),
         }
     }
 
@@ -201,48 +300,33 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
         Some(pick)
     };
 
-    let cx = if route.filters.is_empty() { None } else { Some(Context::new(route.id.clone(), rid.clone())) };
-    if let Some(cx) = &cx {
-        for f in &route.filters {
-            let outcome = match f.on_request(&mut parts, cx) {
-                Flow::Continue => Ok(()),
-                Flow::Respond(r) => Err(r),
-                Flow::Wait(fut) => fut.await,
-            };
-            if let Err(reply) = outcome {
-                return filter_reply(&gw, reply, &rid, m, start);
-            }
-        }
+    if !route.filters.is_empty() {
+        let cx = ex.cx.insert(Context::new(route.id.clone(), ex.rid.clone()));
+        run_request_filters(route, &mut parts, cx).await?;
     }
+    let cx = ex.cx.as_ref();
 
     // On authenticated routes the caller is its API key, or its app for tokens.
     let upstream = match public_pick {
         Some(pick) => pick,
         None => {
-            let id = cx.as_ref().and_then(Context::identity);
+            let id = cx.and_then(Context::identity);
             route.split(id.and_then(|id| id.key_id.as_deref().or(id.client_id.as_deref())))
         }
     };
-    let Some(endpoint) = upstream.and_then(|u| u.pick()).cloned() else {
-        return fail(problems::upstream_unavailable("the route's cluster has no endpoints"), m);
-    };
+    let endpoint = upstream.and_then(|u| u.pick()).cloned().ok_or(ProxyError::NoEndpoint)?;
 
     let pq = match &route.rewrite {
         None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
-        Some(rw) => match rewrite_path(parts.uri.path(), parts.uri.query(), rw) {
-            Some(pq) => pq,
-            None => return fail(problems::bad_request("the rewritten path is not valid"), m),
-        },
+        Some(rw) => rewrite_path(parts.uri.path(), parts.uri.query(), rw)
+            .ok_or(ProxyError::BadRequest("the rewritten path is not valid"))?,
     };
     let original_authority: Option<Authority> = parts.uri.authority().cloned();
     let mut uri_parts = http::uri::Parts::default();
     uri_parts.scheme = Some(Scheme::HTTP);
     uri_parts.authority = Some(endpoint);
     uri_parts.path_and_query = Some(pq);
-    parts.uri = match Uri::from_parts(uri_parts) {
-        Ok(u) => u,
-        Err(_) => return fail(problems::internal("cannot build the upstream URI"), m),
-    };
+    parts.uri = Uri::from_parts(uri_parts).map_err(|_| ProxyError::Internal("cannot build the upstream URI"))?;
     parts.version = Version::HTTP_11;
 
     let h = &mut parts.headers;
@@ -260,8 +344,8 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     h.insert(FORWARDED, conn.forwarded.clone());
     let tp = headers::traceparent(h.get(TRACEPARENT), trace);
     h.insert(TRACEPARENT, tp);
-    h.insert(X_REQUEST_ID, rid.clone());
-    let left = route.response_timeout.saturating_sub(start.elapsed());
+    h.insert(X_REQUEST_ID, ex.rid.clone());
+    let left = route.response_timeout.saturating_sub(ex.start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
 
     let body = LimitedBody::new(body, route.max_body_bytes);
@@ -269,22 +353,13 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
         // Small bodies on routes that opt in: read whole (the limit still counts every
         // byte), let filters see it, forward it with its exact length.
         let bytes = match tokio::time::timeout(left, body.collect()).await {
-            Err(_) => return fail(problems::bad_request("the request body did not arrive in time"), m),
-            Ok(Err(e)) if is_too_large(&e) => return fail(problems::payload_too_large(route.max_body_bytes), m),
-            Ok(Err(_)) => return fail(problems::bad_request("the request body broke off"), m),
+            Err(_) => return Err(ProxyError::BodyTimeout.into()),
+            Ok(Err(e)) if is_too_large(&e) => return Err(too_large.into()),
+            Ok(Err(e)) => return Err(ProxyError::BodyBroken(e).into()),
             Ok(Ok(c)) => c.to_bytes(),
         };
-        if let Some(cx) = &cx {
-            for f in &route.filters {
-                let outcome = match f.on_request_body(&mut parts, &bytes, cx) {
-                    Flow::Continue => Ok(()),
-                    Flow::Respond(r) => Err(r),
-                    Flow::Wait(fut) => fut.await,
-                };
-                if let Err(reply) = outcome {
-                    return filter_reply(&gw, reply, &rid, m, start);
-                }
-            }
+        if let Some(cx) = cx {
+            run_body_filters(route, &mut parts, &bytes, cx).await?;
         }
         parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         UpstreamBody::Full(Some(bytes))
@@ -294,83 +369,23 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     let result = tokio::time::timeout(left, route.client.request(up)).await;
-    let waited = sent.elapsed();
-
+    ex.waited = sent.elapsed();
     let resp = match result {
-        Err(_) => {
-            let detail = format!("the backend did not answer within {} ms", route.response_timeout.as_millis());
-            return fail(problems::upstream_timeout(detail), m);
-        }
-        Ok(Err(e)) => return fail(classify(&e, route), m),
+        Err(_) => return Err(ProxyError::ResponseTimeout { timeout: route.response_timeout }.into()),
+        Ok(Err(e)) => return Err(ProxyError::from_client(e, route.max_body_bytes).into()),
         Ok(Ok(resp)) => resp,
     };
 
     let (mut rp, rb) = resp.into_parts();
     headers::strip_hop_by_hop(&mut rp.headers);
-    if let Some(cx) = &cx {
+    if let Some(cx) = cx {
         for f in &route.filters {
             if let ResponseFlow::Wait(fut) = f.on_response(&mut rp, cx) {
                 fut.await;
             }
         }
     }
-    for (k, v) in &route.response_headers {
-        rp.headers.insert(k.clone(), v.clone());
-    }
-    rp.headers.insert(X_REQUEST_ID, rid);
-    m.count(rp.status.as_u16());
-    let total = start.elapsed();
-    m.latency.observe(total);
-    m.added.observe(total.saturating_sub(waited));
-    Response::from_parts(rp, ResponseBody::Upstream(rb))
-}
-
-/// A filter answered the request itself.
-fn filter_reply(
-    gw: &Gateway,
-    reply: Reply,
-    rid: &HeaderValue,
-    m: &RouteMetrics,
-    start: Instant,
-) -> Response<ResponseBody> {
-    if let Reply::Problem(p) = &reply {
-        gw.metrics.problem(p.code);
-    }
-    let mut resp = respond::reply(reply, rid);
-    m.count(resp.status().as_u16());
-    m.latency.observe(start.elapsed());
-    resp.headers_mut().insert(X_REQUEST_ID, rid.clone());
-    resp
-}
-
-/// Turns a client error into the problem the caller sees.
-fn classify(e: &hyper_util::client::legacy::Error, route: &CompiledRoute) -> Problem {
-    if is_too_large(e) {
-        return problems::payload_too_large(route.max_body_bytes);
-    }
-    if e.is_connect() {
-        if source_chain_has_timeout(e) {
-            return problems::upstream_timeout("the backend did not accept the connection in time");
-        }
-        return problems::upstream_unavailable("the backend refused the connection");
-    }
-    problems::upstream_unavailable("the backend closed or reset the connection")
-}
-
-fn source_chain_has_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::TimedOut
-        {
-            return true;
-        }
-        if err.to_string().contains("timed out") || err.to_string().contains("timeout") {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
+    Ok(Response::from_parts(rp, ResponseBody::Upstream(rb)))
 }
 
 #[cfg(test)]

@@ -1,57 +1,40 @@
 //! The one place where gateway errors become HTTP responses: `application/problem+json`
 //! (RFC 9457) with a stable `code` and the request id.
 
+use std::borrow::Cow;
+
 use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Response, StatusCode};
 use postern_filter_contract::{Problem, Reply};
 
 use crate::body::ResponseBody;
+use crate::error::ProxyError;
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// Standard problems, so every call site uses the same status and code.
-pub mod problems {
-    use http::StatusCode;
-    use postern_filter_contract::Problem;
-    use std::borrow::Cow;
-
-    /// 404: no route for this host, method and path.
-    pub fn route_not_found() -> Problem {
-        Problem::new(StatusCode::NOT_FOUND, "route_not_found", "no route matches this host and path")
-    }
-    /// 405: the path exists with other methods.
-    pub fn method_not_allowed(allow: http::HeaderValue) -> Problem {
-        Problem::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this route does not take this method")
-            .with_header(http::header::ALLOW, allow)
-    }
-    /// 413: the body is over the route's limit.
-    pub fn payload_too_large(limit: u64) -> Problem {
-        Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!("the request body is over this route's limit of {limit} bytes"),
-        )
-        .with_header(http::header::CONNECTION, http::HeaderValue::from_static("close"))
-    }
-    /// 400: the request path cannot be routed safely.
-    pub fn invalid_path(detail: &'static str) -> Problem {
-        Problem::new(StatusCode::BAD_REQUEST, "invalid_path", detail)
-    }
-    /// 400: malformed request.
-    pub fn bad_request(detail: impl Into<Cow<'static, str>>) -> Problem {
-        Problem::new(StatusCode::BAD_REQUEST, "bad_request", detail)
-    }
-    /// 502: the backend refused, reset or broke the exchange.
-    pub fn upstream_unavailable(detail: impl Into<Cow<'static, str>>) -> Problem {
-        Problem::new(StatusCode::BAD_GATEWAY, "upstream_unavailable", detail)
-    }
-    /// 504: the backend did not answer within the route's timeout.
-    pub fn upstream_timeout(detail: impl Into<Cow<'static, str>>) -> Problem {
-        Problem::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", detail)
-    }
-    /// 500: a gateway bug; never expected.
-    pub fn internal(detail: impl Into<Cow<'static, str>>) -> Problem {
-        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", detail)
+/// The problem the caller sees for a gateway error: one status and stable code per kind.
+pub fn error(e: &ProxyError) -> Problem {
+    let detail = Cow::Owned(e.to_string());
+    match e {
+        ProxyError::InvalidPath(d) => Problem::new(StatusCode::BAD_REQUEST, "invalid_path", *d),
+        ProxyError::BadRequest(d) => Problem::new(StatusCode::BAD_REQUEST, "bad_request", *d),
+        ProxyError::BodyTimeout | ProxyError::BodyBroken(_) => {
+            Problem::new(StatusCode::BAD_REQUEST, "bad_request", detail)
+        }
+        ProxyError::RouteNotFound => Problem::new(StatusCode::NOT_FOUND, "route_not_found", detail),
+        ProxyError::MethodNotAllowed(allow) => {
+            Problem::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", detail)
+                .with_header(http::header::ALLOW, allow.clone())
+        }
+        ProxyError::BodyTooLarge { .. } => Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", detail)
+            .with_header(http::header::CONNECTION, HeaderValue::from_static("close")),
+        ProxyError::NoEndpoint | ProxyError::ConnectRefused(_) | ProxyError::UpstreamBroken(_) => {
+            Problem::new(StatusCode::BAD_GATEWAY, "upstream_unavailable", detail)
+        }
+        ProxyError::ConnectTimeout(_) | ProxyError::ResponseTimeout { .. } => {
+            Problem::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", detail)
+        }
+        ProxyError::Internal(d) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", *d),
     }
 }
 
@@ -98,7 +81,7 @@ mod tests {
     #[tokio::test]
     async fn problem_body_has_code_and_request_id() {
         let rid = HeaderValue::from_static("abc123");
-        let resp = problem(&problems::route_not_found(), &rid);
+        let resp = problem(&error(&ProxyError::RouteNotFound), &rid);
         assert_eq!(resp.status(), StatusCode::NOT_FOUND);
         assert_eq!(resp.headers()[CONTENT_TYPE], "application/problem+json");
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
@@ -106,5 +89,20 @@ mod tests {
         assert_eq!(v["code"], "route_not_found");
         assert_eq!(v["status"], 404);
         assert_eq!(v["request_id"], "abc123");
+    }
+
+    #[test]
+    fn errors_keep_their_status_and_code() {
+        let limit = error(&ProxyError::BodyTooLarge { limit: 10 });
+        assert_eq!((limit.status.as_u16(), limit.code), (413, "payload_too_large"));
+        assert_eq!(limit.detail, "the request body is over this route's limit of 10 bytes");
+        assert_eq!(limit.headers[http::header::CONNECTION], "close");
+        let t = error(&ProxyError::ResponseTimeout { timeout: std::time::Duration::from_millis(250) });
+        assert_eq!((t.status.as_u16(), t.code), (504, "upstream_timeout"));
+        assert_eq!(t.detail, "the backend did not answer within 250 ms");
+        let allow = error(&ProxyError::MethodNotAllowed(HeaderValue::from_static("GET")));
+        assert_eq!((allow.status.as_u16(), allow.code), (405, "method_not_allowed"));
+        assert_eq!(allow.headers[http::header::ALLOW], "GET");
+        assert_eq!(error(&ProxyError::NoEndpoint).code, "upstream_unavailable");
     }
 }

@@ -18,6 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
+use crate::live;
 use crate::metrics::Metrics;
 use crate::proxy::{ConnInfo, Gateway};
 use crate::snapshot::Builder;
@@ -228,146 +229,6 @@ fn file_stamp(path: &Path) -> Option<(SystemTime, u64)> {
     Some((m.modified().ok()?, m.len()))
 }
 
-/// Reads the snapshot file and swaps it in, unless it fails to build or is not newer.
-pub fn reload(gw: &Gateway, builder: &Builder, path: &Path) {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) => {
-            gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(path = %path.display(), error = %e, "snapshot refused: cannot read it; keeping the live one");
-            return;
-        }
-    };
-    if let Err(e) = apply_snapshot(gw, builder, &bytes) {
-        tracing::error!(path = %path.display(), error = %e, "snapshot refused; keeping the live one");
-    }
-}
-
-/// Builds a snapshot beside the live one and swaps it in if it builds and is newer (the
-/// same contents again are a no-op); otherwise the live one stays and the reason is
-/// returned.
-pub fn apply_snapshot(gw: &Gateway, builder: &Builder, bytes: &[u8]) -> Result<(), String> {
-    let started = std::time::Instant::now();
-    let refuse = |why: String| {
-        gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-        Err(why)
-    };
-    let live = match builder.build_bytes(bytes) {
-        Ok(l) => l,
-        Err(e) => return refuse(e.to_string()),
-    };
-    let current = gw.live.load();
-    if live.hash == current.hash && live.version == current.version {
-        return Ok(());
-    }
-    if live.version <= current.version {
-        return refuse(format!(
-            "version {} is not newer than the live {} (versions are never reused)",
-            live.version, current.version
-        ));
-    }
-    let (version, hash, routes) = (live.version, live.hash.clone(), live.route_count);
-    gw.live.store(Arc::new(live));
-    gw.metrics.reloads_ok.fetch_add(1, Ordering::Relaxed);
-    gw.metrics.snapshot_version.store(version, Ordering::Relaxed);
-    tracing::info!(version, %hash, routes, build_ms = started.elapsed().as_millis() as u64, "snapshot live");
-    Ok(())
-}
-
-/// Reads the credentials file and swaps it in whole, unless it is not newer than the live
-/// one; a refused file leaves the live state in place.
-pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), String> {
-    let result = match std::fs::read(path) {
-        Ok(bytes) => apply_credentials(gw, &bytes),
-        Err(e) => {
-            gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
-            Err(format!("cannot read: {e}"))
-        }
-    };
-    if let Err(why) = &result {
-        tracing::error!(path = %path.display(), error = %why, "credentials refused; keeping the live ones");
-    }
-    result
-}
-
-/// Swaps in a credential state if it opens, builds and is newer; the same version again
-/// is a no-op; otherwise the live state stays and the reason is returned.
-pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), String> {
-    let refuse = |why: String| {
-        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
-        Err(why)
-    };
-    let current = gw.auth.credentials.load();
-    // The file the node itself just wrote (or any file of the live version) is not parsed
-    // again: for a large key table that is most of a change's cost.
-    let opened = postern_model::credentials::Credentials::open_if(bytes, |v| v == 0 || v != current.version);
-    let (file, creds) = match opened {
-        Ok(Some(x)) => x,
-        Ok(None) => return Ok(()),
-        Err(e) => return refuse(e.to_string()),
-    };
-    if file.version <= current.version {
-        if file.version < current.version {
-            return refuse(format!("version {} is older than the live {}", file.version, current.version));
-        }
-        return Ok(());
-    }
-    let now = postern_builtin_filters::auth::unix_now();
-    let store = match postern_builtin_filters::auth::CredentialStore::build(file.version, &creds, now) {
-        Ok(s) => s,
-        Err(e) => return refuse(e),
-    };
-    let (keys, signing, apps, deny) = store.counts();
-    gw.auth.credentials.store(Arc::new(store));
-    gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
-    gw.metrics.credentials_version.store(file.version, Ordering::Relaxed);
-    tracing::info!(version = file.version, keys, signing, apps, deny, "credentials live");
-    Ok(())
-}
-
-/// Applies a fast-lane delta to the live credential state; it must start from the live
-/// version.
-pub fn apply_credentials_delta(gw: &Gateway, doc: &postern_model::credentials::DeltaDoc) -> Result<(), String> {
-    let d = &doc.delta;
-    let live = gw.auth.credentials.load();
-    if live.version != d.base {
-        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
-        return Err(format!("delta from v{} to v{}, but v{} is live", d.base, d.version, live.version));
-    }
-    let now = postern_builtin_filters::auth::unix_now();
-    let store = live.with_changes(d.version, &d.keys, &d.deny, now).inspect_err(|_| {
-        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
-    })?;
-    gw.auth.credentials.store(Arc::new(store));
-    gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
-    gw.metrics.credentials_version.store(d.version, Ordering::Relaxed);
-    tracing::info!(version = d.version, keys = d.keys.len(), deny = d.deny.len(), "credentials live (delta)");
-    Ok(())
-}
-
-/// The log of fast-lane deltas applied since the credentials file was written, one JSON
-/// document a line, beside it.
-pub fn delta_log(credentials: &Path) -> PathBuf {
-    credentials.with_extension("deltas")
-}
-
-/// Replays the delta log over the credentials file just loaded; stops at the first line
-/// that is partial, corrupted or does not follow (a crash mid-append loses only that one).
-fn replay_deltas(gw: &Gateway, credentials: &Path) {
-    let Ok(text) = std::fs::read_to_string(delta_log(credentials)) else { return };
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let applied = match postern_model::credentials::DeltaDoc::parse(line.as_bytes()) {
-            Some(Ok(doc)) => apply_credentials_delta(gw, &doc),
-            Some(Err(e)) => Err(e.to_string()),
-            None => Err("not a delta".to_owned()),
-        };
-        if let Err(e) = applied {
-            tracing::warn!(error = %e, "credential delta log: stopped replaying");
-            return;
-        }
-    }
-}
-
 async fn watch_snapshot(
     gw: Arc<Gateway>,
     builder: Arc<Builder>,
@@ -397,14 +258,14 @@ async fn watch_snapshot(
         if (forced || now != cred_stamp) && now.is_some() {
             cred_stamp = now;
             let (gw, credentials) = (gw.clone(), credentials.clone());
-            let _ = tokio::task::spawn_blocking(move || reload_credentials(&gw, &credentials)).await;
+            let _ = tokio::task::spawn_blocking(move || live::reload_credentials(&gw, &credentials)).await;
         }
         let now = file_stamp(&path);
         if forced || now != stamp {
             stamp = now;
             // Building compiles every route and filter: keep it off the request workers' queue.
             let (gw, builder, path) = (gw.clone(), builder.clone(), path.clone());
-            let _ = tokio::task::spawn_blocking(move || reload(&gw, &builder, &path)).await;
+            let _ = tokio::task::spawn_blocking(move || live::reload(&gw, &builder, &path)).await;
         }
     }
 }
@@ -431,7 +292,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let runtime = postern_wasm::Runtime::new(&postern_wasm::RuntimeConfig {
         cache_dir: Some(args.wasm_cache.clone().unwrap_or_else(|| snapshot_dir.join("wasm-cache"))),
         max_instances: args.wasm_instances.max(1),
-        maxima: postern_wasm::Limits::MAXIMA,
+        maxima: postern_model::wasm::Limits::MAXIMA,
         metering: true,
         // As many as the workers: at the lowest priority they take only idle CPU.
         pool_threads: args.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
@@ -459,7 +320,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let builder = Arc::new(builder);
     let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
-    let control = args.control.as_ref().map(|url| crate::control::ControlSettings {
+    let control = args.control.as_ref().map(|url| crate::control_client::ControlSettings {
         url: url.clone(),
         token: args.control_token.clone().unwrap_or_default(),
         node_id: node_id.clone(),
@@ -473,8 +334,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         && !args.snapshot.exists()
     {
         // First boot: nothing on disk yet, so wait for the control plane's head.
-        let bytes = crate::control::fetch_first(c, Duration::from_secs(30)).await?;
-        crate::control::write_atomic(&args.snapshot, &bytes).map_err(|e| anyhow::anyhow!(e))?;
+        let bytes = crate::control_client::fetch_first(c, Duration::from_secs(30)).await?;
+        live::persist_snapshot(&args.snapshot, &bytes)?;
     }
     let bytes =
         std::fs::read(&args.snapshot).with_context(|| format!("cannot read snapshot {}", args.snapshot.display()))?;
@@ -484,9 +345,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let auth = builder.authenticator().clone();
     let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync });
     if credentials.exists() {
-        reload_credentials(&gw, &credentials)
+        live::reload_credentials(&gw, &credentials)
             .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;
-        replay_deltas(&gw, &credentials);
+        live::replay_deltas(&gw, &credentials);
     } else {
         tracing::warn!(path = %credentials.display(), "no credentials file: authenticated routes refuse every caller");
     }
@@ -503,13 +364,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(public = %pa, partner = %pb, admin = %ad, tls = tls.is_some(), "listening");
     if let Some(p) = &args.ports_file {
         let json = serde_json::json!({"public": pa.port(), "partner": pb.port(), "admin": ad.port()});
-        let tmp = p.with_extension("tmp");
-        std::fs::write(&tmp, json.to_string()).with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, p).with_context(|| format!("cannot write {}", p.display()))?;
+        postern_model::disk::write_atomic(p, json.to_string().as_bytes())?;
     }
 
     if let Some(c) = control {
-        crate::control::start(gw.clone(), builder.clone(), c);
+        crate::control_client::start(gw.clone(), builder.clone(), c);
     }
     let graceful = Arc::new(GracefulShutdown::new());
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -13,8 +13,9 @@ use std::time::{Duration, SystemTime};
 
 use http::uri::Authority;
 use http::{HeaderName, HeaderValue};
-use postern_builtin_filters::auth::{AuthFilter, Authenticator};
-use postern_builtin_filters::ratelimit::{Limiter, RateLimitFilter};
+use postern_builtin_filters::auth::Authenticator;
+use postern_builtin_filters::chain::{self, Node, Step};
+use postern_builtin_filters::ratelimit::Limiter;
 use postern_filter_contract::Filter;
 use postern_model::{Pool, Snapshot, SnapshotFile};
 use postern_router::{PathKind, Router, RouterBuilder};
@@ -164,8 +165,7 @@ impl Live {
 pub struct Builder {
     clients: Mutex<Clients>,
     metrics: Arc<Metrics>,
-    auth: Arc<Authenticator>,
-    limiter: Arc<Limiter>,
+    node: Node,
     wasm: Option<Arc<postern_wasm::Runtime>>,
     modules_dir: PathBuf,
 }
@@ -196,14 +196,19 @@ fn http_date(unix: i64) -> Option<HeaderValue> {
     HeaderValue::from_str(&httpdate::fmt_http_date(t)).ok()
 }
 
+/// A node's built-in policy state before any snapshot: a fresh authenticator and a
+/// limiter that enforces whole limits (a fleet node swaps in its own, [`Builder::use_limiter`]).
+fn new_node() -> Node {
+    Node { auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)), limiter: Arc::new(Limiter::new(RATE_BUCKETS)) }
+}
+
 impl Builder {
     /// A builder that registers route metrics in `metrics`, without Wasm filters.
     pub fn new(metrics: Arc<Metrics>) -> Builder {
         Builder {
             clients: Mutex::new(Clients::default()),
             metrics,
-            auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
-            limiter: Arc::new(Limiter::new(RATE_BUCKETS)),
+            node: new_node(),
             wasm: None,
             modules_dir: PathBuf::new(),
         }
@@ -212,35 +217,23 @@ impl Builder {
     /// A builder that also builds Wasm filters, reading their modules by digest from
     /// `modules_dir` (`<hex>.wasm`, as `posternctl compile` writes them).
     pub fn with_wasm(metrics: Arc<Metrics>, runtime: Arc<postern_wasm::Runtime>, modules_dir: PathBuf) -> Builder {
-        Builder {
-            clients: Mutex::new(Clients::default()),
-            metrics,
-            auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)),
-            limiter: Arc::new(Limiter::new(RATE_BUCKETS)),
-            wasm: Some(runtime),
-            modules_dir,
-        }
+        Builder { clients: Mutex::new(Clients::default()), metrics, node: new_node(), wasm: Some(runtime), modules_dir }
     }
 
     /// Replaces the node's rate limiter (before any snapshot is built), e.g. with one in
     /// fleet mode.
     pub fn use_limiter(&mut self, limiter: Arc<Limiter>) {
-        self.limiter = limiter;
-    }
-
-    /// The node's rate limiter, shared by every snapshot's routes.
-    pub fn limiter(&self) -> &Arc<Limiter> {
-        &self.limiter
+        self.node.limiter = limiter;
     }
 
     /// The node's authentication state, shared by every snapshot's routes.
     pub fn authenticator(&self) -> &Arc<Authenticator> {
-        &self.auth
+        &self.node.auth
     }
 
     fn wasm_filter(&self, route_id: &Arc<str>, config: &serde_json::Value) -> Result<Arc<dyn Filter>, String> {
         let runtime = self.wasm.as_ref().ok_or("this node runs no Wasm runtime")?;
-        let attachment: postern_wasm::Attachment =
+        let attachment: postern_model::wasm::Attachment =
             serde_json::from_value(config.clone()).map_err(|e| format!("wasm filter attachment: {e}"))?;
         let over = attachment.limits.over(&runtime.maxima);
         if !over.is_empty() {
@@ -261,7 +254,7 @@ impl Builder {
             .map_err(|e| format!("filter {}: module {}: {e}", attachment.name, attachment.module))?;
         // Checked and, when the filter keeps state from its config, pre-initialised for it.
         let module = runtime
-            .prepare(&module, &postern_wasm::config_bytes(&attachment.config), &attachment.limits)
+            .prepare(&module, &postern_model::wasm::config_bytes(&attachment.config), &attachment.limits)
             .map_err(|e| format!("filter {}: {e}", attachment.name))?;
         let stats = self.metrics.filter(route_id, &attachment.name);
         Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats)))
@@ -311,29 +304,13 @@ impl Builder {
                 None => None,
                 Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
             };
-            let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(r.filters.len() + 1);
-            match &r.auth {
-                Some(spec) => {
-                    filters.push(Arc::new(
-                        AuthFilter::new(self.auth.clone(), id.clone(), spec, &snapshot.plans).map_err(err)?,
-                    ));
-                    let limited = snapshot.plans.values().any(|p| p.rate_limit.is_some() || p.app_rate_limit.is_some());
-                    if limited {
-                        let default = postern_model::RouteRate { class: "default".into(), cost: 1 };
-                        let rate = r.rate_limit.as_ref().unwrap_or(&default);
-                        let f = RateLimitFilter::new(self.limiter.clone(), rate, &snapshot.plans).map_err(err)?;
-                        filters.push(Arc::new(f));
-                    }
-                }
-                None if r.public => {}
-                None => return Err(err("the route is not public and has no auth".into())),
-            }
-            for f in &r.filters {
-                let built = if f.kind == "wasm" {
-                    self.wasm_filter(&id, &f.config).map_err(err)?
-                } else {
-                    postern_builtin_filters::build(&f.kind, &f.config)
-                        .map_err(|e| err(format!("filter {}: {e}", f.kind)))?
+            // The chain's order is decided in one place, `chain::chain`.
+            let steps = chain::chain(r, &snapshot.plans).map_err(|e| err(e.to_string()))?;
+            let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(steps.len());
+            for step in &steps {
+                let built = match step {
+                    Step::Configured(f) if f.kind == "wasm" => self.wasm_filter(&id, &f.config).map_err(err)?,
+                    step => step.build(&self.node, &id, &snapshot.plans).map_err(|e| err(e.to_string()))?,
                 };
                 filters.push(built);
             }

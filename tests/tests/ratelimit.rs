@@ -17,14 +17,16 @@ struct Setup {
 fn setup(keys: &[(&str, &str)]) -> (Setup, Vec<String>) {
     let echo = Echo::start("e");
     let repo = Repo::new();
-    platform(&repo, &[("e", &echo.addr())]);
+    // `down`: a port nobody listens on, so the gateway answers 502 itself.
+    let down = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    platform(&repo, &[("e", &echo.addr()), ("down", &down.to_string())]);
     repo.write(
         "platform/plans.yaml",
         "scopes: []\nproducts: [orders]\nplans:\n  small:\n    products: [orders]\n    rateLimit: { rps: 5, burst: 10 }\n    appRateLimit: { rps: 2, burst: 15 }\n",
     );
     repo.write(
         "teams/t/routes.yaml",
-        "routes:\n  - name: orders\n    match: { path: { value: /orders } }\n    auth: { methods: [apiKey], product: orders }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: orders }\n    rateLimit: { class: search, cost: 5 }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
+        "routes:\n  - name: orders\n    match: { path: { value: /orders } }\n    auth: { methods: [apiKey], product: orders }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: orders }\n    rateLimit: { class: search, cost: 5 }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: down\n    match: { path: { value: /down } }\n    auth: { methods: [apiKey], product: orders }\n    backendRefs: [{ name: down }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
     );
     let made: Vec<String> = keys.iter().map(|(id, app)| new_key(repo.path(), id, app, "acme", "small", &[])).collect();
     let snap = repo.path().join("out/snapshot.json");
@@ -82,6 +84,27 @@ async fn a_key_gets_its_burst_then_429_with_headers() {
     // After a second, the first key has tokens again.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(get(&url, &[("x-api-key", &keys[0])]).await.status, StatusCode::OK);
+
+    // Every answer after the limiter admitted the request carries its state, whoever
+    // made it: here the gateway itself, for a backend that refuses the connection.
+    let r = get(&s.node.url("/down"), &[("x-api-key", &keys[1])]).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.json()["code"], "upstream_unavailable");
+    // The tightest of the key's and its app's buckets (the app's, after the refill above).
+    let policy = r.header("ratelimit-policy").unwrap_or_default();
+    assert!(["\"default\";q=10;w=2", "\"app\";q=15;w=8"].contains(&policy), "{:?}", r.headers);
+    let name = policy.split(';').next().unwrap_or_default();
+    assert!(r.header("ratelimit").is_some_and(|v| v.starts_with(&format!("{name};r="))), "{:?}", r.headers);
+
+    // Every answer is counted once in both latency histograms, the limiter's 429s too.
+    let m = String::from_utf8(get(&s.node.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+    let count = |name: &str| -> u64 {
+        let line = format!("{name}_count{{route=\"t/orders\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(&line)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    let total = count("postern_request_duration_seconds");
+    assert!(total >= 27, "{m}");
+    assert_eq!(count("postern_added_latency_seconds"), total, "{m}");
 
     // Public routes are not limited (no caller to key on).
     for _ in 0..30 {

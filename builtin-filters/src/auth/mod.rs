@@ -12,22 +12,21 @@
 //! changes; a request loads it once, so a revoked key fails on the very next request,
 //! on an already-open connection too.
 
-pub mod apikey;
+pub use postern_model::apikey;
 pub mod jwt;
 pub mod store;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use http::header::{AUTHORIZATION, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use postern_filter_contract::{Context, Filter, Flow, Identity, Problem, RequestHead};
+use postern_filter_contract::{ConfigError, Context, Filter, Flow, Identity, Problem, RequestHead};
 use postern_model::{AuthMethod, Plan, RouteAuth};
 
-pub use store::CredentialStore;
+pub use store::{CredentialStore, StoreError};
 
 #[cfg(test)]
 mod tests;
@@ -229,10 +228,7 @@ pub struct Methods {
     pub jwt: bool,
 }
 
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
+pub use postern_model::disk::unix_now;
 
 /// The authentication filter of one route.
 #[derive(Debug)]
@@ -256,7 +252,7 @@ impl AuthFilter {
         route: Arc<str>,
         spec: &RouteAuth,
         plans: &BTreeMap<String, Plan>,
-    ) -> Result<AuthFilter, String> {
+    ) -> Result<AuthFilter, ConfigError> {
         let methods = Methods {
             api_key: spec.methods.contains(&AuthMethod::ApiKey),
             jwt: spec.methods.contains(&AuthMethod::Jwt),
@@ -266,7 +262,7 @@ impl AuthFilter {
         }
         for s in &spec.scopes {
             if s.is_empty() || !s.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-                return Err(format!("auth.scopes: {s:?} is not a valid scope"));
+                return Err(format!("auth.scopes: {s:?} is not a valid scope").into());
             }
         }
         let allowed: Vec<Box<[u8]>> = plans

@@ -122,6 +122,37 @@ pub struct CredentialStore {
     pub audiences: Vec<Box<str>>,
 }
 
+/// Why a credential state was refused, naming the entry it is about, so a caller can
+/// point at the entry's source (a key's line in `keys.jsonl`) without reading the text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// API key record `index` (its id, and what is wrong with it).
+    #[error("keys[{index}] (id {id:?}): {problem}")]
+    Key {
+        /// The record's index in `keys`.
+        index: usize,
+        /// The record's id.
+        id: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Any other entry or setting; the text names its field.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<String> for StoreError {
+    fn from(s: String) -> StoreError {
+        StoreError::Other(s)
+    }
+}
+
+impl From<&str> for StoreError {
+    fn from(s: &str) -> StoreError {
+        StoreError::Other(s.to_owned())
+    }
+}
+
 /// Indexes one key record (`i` names it in errors); `last_scopes` carries the previous
 /// record's scope set, which most records share.
 fn key_entry(
@@ -129,27 +160,23 @@ fn key_entry(
     k: &ApiKey,
     names: &mut Interner,
     last_scopes: &mut (Vec<String>, Bytes),
-) -> Result<([u8; 32], KeyEntry), String> {
-    let at = || format!("keys[{i}] (id {:?})", k.id);
+) -> Result<([u8; 32], KeyEntry), StoreError> {
+    let at = |problem: String| StoreError::Key { index: i, id: k.id.clone(), problem };
     let mut hash = [0u8; 32];
-    hex::decode_to_slice(&k.sha256, &mut hash).map_err(|_| format!("{}: sha256 must be 64 hex digits", at()))?;
+    hex::decode_to_slice(&k.sha256, &mut hash).map_err(|_| at("sha256 must be 64 hex digits".into()))?;
     // Keys share few scope sets: join only when the set differs from the last one.
     if k.scopes != last_scopes.0 {
         let joined = k.scopes.join(" ");
-        let value = if joined.is_empty() {
-            Bytes::new()
-        } else {
-            names.get(&joined, "scopes").map_err(|e| format!("{}: {e}", at()))?
-        };
+        let value = if joined.is_empty() { Bytes::new() } else { names.get(&joined, "scopes").map_err(at)? };
         *last_scopes = (k.scopes.clone(), value);
     }
     let identity = Identity {
         kind: CredentialKind::ApiKey,
         subject: None,
-        client_id: Some(names.get(&k.app, "app").map_err(|e| format!("{}: {e}", at()))?),
-        tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| format!("{}: {e}", at()))?),
-        key_id: Some(header_value(&k.id, "id").map_err(|e| format!("{}: {e}", at()))?),
-        plan: Some(names.get(&k.plan, "plan").map_err(|e| format!("{}: {e}", at()))?),
+        client_id: Some(names.get(&k.app, "app").map_err(at)?),
+        tenant: Some(names.get(&k.tenant, "tenant").map_err(at)?),
+        key_id: Some(header_value(&k.id, "id").map_err(at)?),
+        plan: Some(names.get(&k.plan, "plan").map_err(at)?),
         scopes: last_scopes.1.clone(),
     };
     let entry = KeyEntry {
@@ -247,7 +274,7 @@ impl CredentialStore {
         keys: &[ApiKey],
         deny: &[DenyEntry],
         now: u64,
-    ) -> Result<CredentialStore, String> {
+    ) -> Result<CredentialStore, StoreError> {
         let mut names = Interner::default();
         let mut last_scopes: (Vec<String>, Bytes) = (Vec::new(), Bytes::new());
         let mut index = self.keys.clone();
@@ -273,7 +300,7 @@ impl CredentialStore {
 
     /// Indexes `creds`; refuses the whole state if any entry is invalid, naming it.
     /// Deny entries already expired at `now` are dropped.
-    pub fn build(version: u64, creds: &Credentials, now: u64) -> Result<CredentialStore, String> {
+    pub fn build(version: u64, creds: &Credentials, now: u64) -> Result<CredentialStore, StoreError> {
         let settings = &creds.jwt;
         if settings.max_token_bytes < 64 || settings.max_token_bytes > 64 * 1024 {
             return Err("jwt.max_token_bytes must be 64 to 65536".into());
@@ -287,12 +314,12 @@ impl CredentialStore {
         for (i, k) in creds.signing_keys.iter().enumerate() {
             let at = format!("signing_keys[{i}] (kid {:?})", k.kid);
             if k.kid.is_empty() || k.kid.len() > 256 {
-                return Err(format!("{at}: kid must be 1 to 256 characters"));
+                return Err(format!("{at}: kid must be 1 to 256 characters").into());
             }
             let key = parse_key(k.alg, &k.public_key_pem)
                 .map_err(|e| format!("{at}: public_key_pem is not a {} public key: {e}", k.alg.as_str()))?;
             if k.issuer.is_empty() {
-                return Err(format!("{at}: issuer is required"));
+                return Err(format!("{at}: issuer is required").into());
             }
             let name = k.alg.as_str();
             let mut material = Vec::with_capacity(k.public_key_pem.len() + k.issuer.len() + 8);
@@ -307,7 +334,7 @@ impl CredentialStore {
                 fingerprint: xxhash_rust::xxh3::xxh3_64(&material),
             };
             if signing.insert(Box::from(k.kid.as_str()), entry).is_some() {
-                return Err(format!("{at}: kid is listed twice"));
+                return Err(format!("{at}: kid is listed twice").into());
             }
         }
 
@@ -327,7 +354,8 @@ impl CredentialStore {
         for (i, k) in creds.keys.iter().enumerate() {
             let (hash, entry) = key_entry(i, k, &mut names, &mut last_scopes)?;
             if keys.insert(hash, entry).is_some() {
-                return Err(format!("keys[{i}] (id {:?}): the same key hash is listed twice", k.id));
+                let problem = "the same key hash is listed twice".into();
+                return Err(StoreError::Key { index: i, id: k.id.clone(), problem });
             }
         }
 
@@ -452,16 +480,16 @@ mod tests {
         assert!(base.key(&h("ab")).unwrap().active);
         assert_eq!(base.counts(), (1, 0, 0, 0));
         let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], 100);
-        assert!(bad.unwrap_err().contains("keys[0] (id \"k3\")"));
+        assert!(bad.unwrap_err().to_string().contains("keys[0] (id \"k3\")"));
     }
 
     #[test]
     fn malformed_state_is_refused_whole() {
         let mut c = Credentials::empty();
         c.deny = vec![DenyEntry { sub: Some("a".into()), client_id: Some("b".into()), ..entry() }];
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("deny[0]"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("deny[0]"));
         c.deny = vec![DenyEntry { sub: Some("a".into()), ..entry() }];
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("issued_before"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("issued_before"));
 
         let mut c = Credentials::empty();
         c.keys = vec![postern_model::credentials::ApiKey {
@@ -476,13 +504,17 @@ mod tests {
             successor: None,
             expires_at: None,
         }];
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("keys[0] (id \"k1\"): sha256"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("keys[0] (id \"k1\"): sha256"));
+        assert!(matches!(
+            CredentialStore::build(1, &c, 0).unwrap_err(),
+            StoreError::Key { index: 0, ref id, ref problem } if id == "k1" && problem == "sha256 must be 64 hex digits"
+        ));
         c.keys[0].sha256 = "ab".repeat(32);
         c.keys[0].tenant = "bad\ntenant".into();
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("tenant"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("tenant"));
         c.keys[0].tenant = "t".into();
         c.keys.push(c.keys[0].clone());
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("twice"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("twice"));
 
         let mut c = Credentials::empty();
         c.jwt.audiences = vec!["api".into()];
@@ -492,6 +524,6 @@ mod tests {
             issuer: "https://id".into(),
             public_key_pem: "not a key".into(),
         }];
-        assert!(CredentialStore::build(1, &c, 0).unwrap_err().contains("signing_keys[0]"));
+        assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("signing_keys[0]"));
     }
 }

@@ -12,8 +12,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
+pub mod apikey;
 pub mod credentials;
+pub mod disk;
+pub mod protocol;
 pub mod report;
+pub mod wasm;
 
 /// Version of the snapshot format; a node refuses a snapshot with another one.
 pub const SCHEMA_VERSION: u32 = 1;

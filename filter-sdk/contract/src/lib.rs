@@ -39,8 +39,9 @@ pub struct Context {
     /// The verified caller, set once by the route's authentication filter (which runs
     /// first); filters after it read it.
     pub identity: OnceLock<Arc<Identity>>,
-    /// `RateLimit-Policy` and `RateLimit` values for the response, set by the route's
-    /// rate-limit filter.
+    /// `RateLimit-Policy` and `RateLimit` values, set by the route's rate-limit filter
+    /// when it admits the request; the proxy stamps them on every answer the request
+    /// gets, whoever makes it.
     pub rate_limit: OnceLock<(HeaderValue, HeaderValue)>,
 }
 
@@ -223,6 +224,18 @@ pub trait Filter: Send + Sync + 'static {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);
+
+impl From<String> for ConfigError {
+    fn from(msg: String) -> ConfigError {
+        ConfigError(msg)
+    }
+}
+
+impl From<&str> for ConfigError {
+    fn from(msg: &str) -> ConfigError {
+        ConfigError(msg.to_owned())
+    }
+}
 
 impl ConfigError {
     /// A config error with this message.

@@ -16,46 +16,13 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
 use postern_filter_contract::{
     Context, Filter, Flow, Identity, Problem, Reply, RequestHead, ResponseFlow, ResponseHead,
 };
-use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
-use crate::limits::Limits;
+use postern_model::wasm::{Attachment, FailurePolicy, config_bytes};
 // The quarantine's windows are seconds long: the epoch thread's millisecond clock will do.
-use crate::runtime::{Binding, Call, Module, Runtime, coarse_ms, types};
+use crate::clock::coarse_ms;
+use crate::runtime::{Binding, Call, Module, Runtime, types};
 use crate::stats::{FilterStats, Outcome};
-
-/// What happens to the request when the filter fails.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FailurePolicy {
-    /// Answer 503 `filter_failed`; nothing is forwarded.
-    #[default]
-    FailClosed,
-    /// Skip the filter (counted) and go on.
-    FailOpen,
-}
-
-/// Quarantine thresholds: within one window of `window_secs`, at least `min_calls`
-/// calls of which `failure_percent` or more failed put the filter aside for
-/// `quarantine_secs` on this route.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct QuarantinePolicy {
-    /// Window length.
-    pub window_secs: u64,
-    /// Calls needed in a window before judging.
-    pub min_calls: u64,
-    /// Failure rate that quarantines.
-    pub failure_percent: u64,
-    /// How long the quarantine lasts.
-    pub quarantine_secs: u64,
-}
-
-impl Default for QuarantinePolicy {
-    fn default() -> Self {
-        QuarantinePolicy { window_secs: 10, min_calls: 20, failure_percent: 50, quarantine_secs: 30 }
-    }
-}
 
 #[derive(Debug, Default)]
 struct Quarantine {
@@ -63,39 +30,6 @@ struct Quarantine {
     calls: AtomicU64,
     failures: AtomicU64,
     until_ms: AtomicU64,
-}
-
-/// How a route attaches a Wasm filter (the `config` of a `wasm` filter spec).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Attachment {
-    /// The filter's name, for logs and metrics.
-    pub name: String,
-    /// Module digest, `sha256:<hex>`.
-    pub module: String,
-    /// Limits (already capped by the platform maxima when compiled).
-    #[serde(default)]
-    pub limits: Limits,
-    /// Failure policy.
-    #[serde(default)]
-    pub failure: FailurePolicy,
-    /// Run the response phase too.
-    #[serde(default)]
-    pub response_phase: bool,
-    /// The filter's own config, handed to it with each call's context.
-    #[serde(default)]
-    pub config: serde_json::Value,
-    /// Quarantine thresholds.
-    #[serde(default)]
-    pub quarantine: QuarantinePolicy,
-}
-
-/// The bytes a filter gets as its config: the attachment's JSON, or nothing.
-pub fn config_bytes(config: &serde_json::Value) -> Arc<[u8]> {
-    match config {
-        serde_json::Value::Null => Arc::from(&b""[..]),
-        v => Arc::from(serde_json::to_vec(v).unwrap_or_default()),
-    }
 }
 
 /// A built Wasm filter for one route.
@@ -317,46 +251,6 @@ fn flow<'a>(r: Result<(), Reply>) -> Flow<'a> {
     }
 }
 
-fn check_sizes(
-    set: &[(String, Vec<u8>)],
-    append: &[(String, Vec<u8>)],
-    remove: &[String],
-    limits: &Limits,
-) -> Result<(), Outcome> {
-    let count = set.len() + append.len() + remove.len();
-    let bytes: usize = set.iter().chain(append).map(|(k, v)| k.len() + v.len()).sum::<usize>()
-        + remove.iter().map(String::len).sum::<usize>();
-    if count > limits.max_headers || bytes > limits.max_header_bytes {
-        return Err(Outcome::BadOutput);
-    }
-    Ok(())
-}
-
-/// Whether a decision's sizes fit `limits`: checked by the runtime on the thread that ran
-/// the call (so an oversized answer from the idle pool is refused and freed there, never
-/// on a worker), before [`apply_request_edits`] or [`make_reply`] see it.
-pub(crate) fn decision_fits(d: &types::Decision, limits: &Limits) -> Result<(), Outcome> {
-    match d {
-        types::Decision::Continue(e) => {
-            if e.path.as_ref().is_some_and(|p| p.len() > 8192) {
-                return Err(Outcome::BadOutput);
-            }
-            check_sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)
-        }
-        types::Decision::Respond(r) => {
-            if r.body.len() > limits.max_body_bytes {
-                return Err(Outcome::BadOutput);
-            }
-            check_sizes(&r.headers, &[], &[], limits)
-        }
-    }
-}
-
-/// Whether response edits fit `limits`, as [`decision_fits`].
-pub(crate) fn response_edits_fit(e: &types::ResponseEdits, limits: &Limits) -> Result<(), Outcome> {
-    check_sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)
-}
-
 /// Gateway-owned headers a filter may not set or remove.
 fn reserved(name: &HeaderName) -> bool {
     let n = name.as_str();
@@ -425,7 +319,7 @@ fn apply_headers(h: &mut HeaderMap, edits: SmallVec<[Edit; 8]>) {
     }
 }
 
-/// Applies edits whose sizes were checked ([`decision_fits`]).
+/// Applies edits whose sizes were checked (by the runtime, on the thread that ran the call).
 fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Result<(), Outcome> {
     // Validate everything before changing anything.
     let header_edits = header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
@@ -448,7 +342,7 @@ fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Res
     Ok(())
 }
 
-/// The reply of a decision whose sizes were checked ([`decision_fits`]).
+/// The reply of a decision whose sizes were checked (by the runtime, on the thread that ran the call).
 fn make_reply(reply: types::Reply) -> Result<Reply, Outcome> {
     let status = StatusCode::from_u16(reply.status).map_err(|_| Outcome::BadOutput)?;
     if !(200..=599).contains(&reply.status) {
@@ -483,6 +377,7 @@ mod tests {
     use super::*;
     use crate::runtime::RuntimeConfig;
     use crate::runtime::tests::module_bytes;
+    use postern_model::wasm::{Limits, QuarantinePolicy};
 
     fn filter(name: &str, config: serde_json::Value, limits: Limits) -> WasmFilter {
         let runtime = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();

@@ -4,18 +4,20 @@
 //! and attach to routes as ordinary filters on the filter contract.
 //!
 //! * [`runtime`]: the engine (pooling allocator, fuel, epochs, on-disk code cache),
-//!   module loading and validation (imports allowlist, world check), one sandboxed call.
+//!   module loading and validation (imports allowlist, world check), one sandboxed call
+//!   on a worker or the idle pool, and the WASI stubs a filter gets.
 //! * [`filter`]: the contract adapter, failure policy and quarantine.
-//! * [`limits`], [`stats`]: limits with platform maxima; what each filter costs.
-//! * [`wasi_stubs`]: the WASI a filter gets, as stubs that grant nothing.
+//! * [`stats`]: what each filter costs (its limits and policies are the snapshot model's,
+//!   `postern_model::wasm`).
+//! * `clock`: the runtime's monotonic clock and its coarse copy.
 
+mod clock;
 pub mod filter;
-pub mod limits;
 pub mod runtime;
 pub mod stats;
-pub mod wasi_stubs;
 
-pub use filter::{Attachment, FailurePolicy, QuarantinePolicy, WasmFilter, config_bytes};
-pub use limits::Limits;
+pub use filter::WasmFilter;
+// The attachment schema is the snapshot model's; the runtime reads it.
+pub use postern_model::wasm::{Attachment, FailurePolicy, Limits, QuarantinePolicy, config_bytes};
 pub use runtime::{Binding, LoadError, Module, Runtime, RuntimeConfig, digest};
 pub use stats::{FilterStats, Outcome};

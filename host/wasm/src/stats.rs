@@ -6,6 +6,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// Once a filter outruns its slice or fails costly on a route, its calls there go
+/// straight to the idle pool for this long.
+pub(crate) const POOL_FOR_MS: u64 = 10_000;
+
 /// How a filter call ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -115,9 +119,9 @@ pub struct FilterStats {
 
 impl FilterStats {
     /// Sends this filter's next calls on this route to the idle pool for
-    /// [`crate::runtime::POOL_FOR_MS`].
+    /// [`POOL_FOR_MS`].
     pub fn demote(&self) {
-        let until = crate::runtime::coarse_ms().saturating_add(crate::runtime::POOL_FOR_MS);
+        let until = crate::clock::coarse_ms().saturating_add(POOL_FOR_MS);
         self.pool_until_ms.fetch_max(until, Ordering::Relaxed);
     }
 

@@ -1,4 +1,5 @@
-//! Receiving versions from the control plane (`--control`).
+//! The node's client of the control plane (`--control`): receiving versions, ACKing them,
+//! reporting traffic for staged rollouts.
 //!
 //! One long poll per lane (snapshot, credentials): the control plane answers as soon as
 //! the lane has a version other than the one this node runs, or after 25 s with nothing,
@@ -10,7 +11,7 @@
 //! kept beside the snapshot. The control plane going away changes nothing on the request
 //! path; the node retries every second.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +24,11 @@ use hyper_util::rt::TokioExecutor;
 use sha2::Digest as _;
 
 use postern_model::credentials::DeltaDoc;
+use postern_model::disk;
+use postern_model::protocol::{self, Ack, Lane, Poll};
 use postern_model::report::{Report, Watch};
 
+use crate::live;
 use crate::proxy::Gateway;
 use crate::snapshot::Builder;
 
@@ -49,28 +53,13 @@ pub struct ControlSettings {
     pub report_every: Duration,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Lane {
-    Snapshot,
-    Credentials,
-}
-
-impl Lane {
-    fn as_str(self) -> &'static str {
-        match self {
-            Lane::Snapshot => "snapshot",
-            Lane::Credentials => "credentials",
-        }
-    }
-}
-
 type Http = Client<HttpConnector, Full<Bytes>>;
 
 /// Starts both lanes.
 pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings) {
     let client: Http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build_http();
     let settings = Arc::new(settings);
-    for lane in [Lane::Snapshot, Lane::Credentials] {
+    for lane in Lane::ALL {
         let (gw, builder, settings, client) = (gw.clone(), builder.clone(), settings.clone(), client.clone());
         tokio::spawn(async move { run(lane, gw, builder, settings, client).await });
     }
@@ -81,7 +70,7 @@ pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings)
 /// all since the process started) with the snapshot version running; the answer names
 /// the routes to report next time (none while no rollout runs: the report is a heartbeat).
 async fn report(gw: Arc<Gateway>, s: Arc<ControlSettings>, client: Http) {
-    let url = format!("{}/v1/nodes/{}/report", s.url.trim_end_matches('/'), s.node_id);
+    let url = format!("{}{}", s.url.trim_end_matches('/'), protocol::report_path(&s.node_id));
     let mut watch = Watch::default();
     let mut tick = tokio::time::interval(s.report_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -125,7 +114,8 @@ pub async fn fetch_first(settings: &ControlSettings, wait: Duration) -> anyhow::
     let client: Http = Client::builder(TokioExecutor::new()).build_http();
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        match get(&client, settings, Lane::Snapshot, 0, 0, 5, true).await {
+        let poll = Poll { running: Some(0), wait_s: 5, canary: settings.canary, full: true, ..Poll::default() };
+        match get(&client, settings, Lane::Snapshot, poll).await {
             Ok(Some(bytes)) => {
                 fetch_modules(&client, settings, &bytes).await.map_err(|e| anyhow::anyhow!(e))?;
                 return Ok(bytes.to_vec());
@@ -153,7 +143,14 @@ async fn run(lane: Lane, gw: Arc<Gateway>, builder: Arc<Builder>, settings: Arc<
     let mut backoff = Duration::from_millis(200);
     loop {
         let now = running(&gw, lane);
-        match get(&client, &settings, lane, now, now.max(refused), 25, want_full).await {
+        let poll = Poll {
+            have: now.max(refused),
+            running: Some(now),
+            canary: settings.canary,
+            full: want_full,
+            ..Poll::default()
+        };
+        match get(&client, &settings, lane, poll).await {
             Ok(None) => backoff = Duration::from_millis(200),
             Ok(Some(bytes)) => {
                 backoff = Duration::from_millis(200);
@@ -178,12 +175,7 @@ async fn run(lane: Lane, gw: Arc<Gateway>, builder: Arc<Builder>, settings: Arc<
                 } else {
                     want_full = false;
                 }
-                let ack = serde_json::json!({
-                    "version": version,
-                    "ok": outcome.is_ok(),
-                    "error": outcome.err(),
-                    "running": running(&gw, lane),
-                });
+                let ack = Ack { version, ok: outcome.is_ok(), error: outcome.err(), running: running(&gw, lane) };
                 if let Err(e) = post_ack(&client, &settings, lane, ack).await {
                     tracing::warn!(lane = lane.as_str(), error = %e, "cannot ACK");
                 }
@@ -218,88 +210,41 @@ async fn apply(
         Lane::Snapshot => {
             fetch_modules(client, settings, &bytes).await?;
             let (gw2, builder2, b2) = (gw.clone(), builder.clone(), bytes.clone());
-            tokio::task::spawn_blocking(move || crate::server::apply_snapshot(&gw2, &builder2, &b2))
+            tokio::task::spawn_blocking(move || live::apply_snapshot(&gw2, &builder2, &b2))
                 .await
-                .map_err(|e| e.to_string())??;
-            write_atomic(&settings.snapshot, &bytes)
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            live::persist_snapshot(&settings.snapshot, &bytes).map_err(|e| e.to_string())
         }
         Lane::Credentials => match delta {
             Some(doc) => {
                 let doc = doc.map_err(|e| format!("malformed delta: {e}"))?;
                 let gw2 = gw.clone();
-                tokio::task::spawn_blocking(move || crate::server::apply_credentials_delta(&gw2, &doc))
+                tokio::task::spawn_blocking(move || live::apply_credentials_delta(&gw2, &doc))
                     .await
-                    .map_err(|e| e.to_string())??;
-                append_line(&crate::server::delta_log(&settings.credentials), &bytes)
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
+                live::persist_delta(&settings.credentials, &bytes).map_err(|e| e.to_string())
             }
             None => {
                 let (gw2, b2) = (gw.clone(), bytes.clone());
-                tokio::task::spawn_blocking(move || crate::server::apply_credentials(&gw2, &b2))
+                tokio::task::spawn_blocking(move || live::apply_credentials(&gw2, &b2))
                     .await
-                    .map_err(|e| e.to_string())??;
-                write_atomic(&settings.credentials, &bytes)?;
-                // The whole version holds every delta before it.
-                match std::fs::remove_file(crate::server::delta_log(&settings.credentials)) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        Err(format!("cannot clear the delta log: {e}"))
-                    }
-                    _ => Ok(()),
-                }
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
+                live::persist_credentials(&settings.credentials, &bytes).map_err(|e| e.to_string())
             }
         },
     }
 }
 
-/// Appends `line` and a newline to `path`, synced before returning (a crash leaves at most
-/// a partial last line, which the replay stops at).
-fn append_line(path: &Path, line: &[u8]) -> Result<(), String> {
-    use std::io::Write as _;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    let mut buf = Vec::with_capacity(line.len() + 1);
-    buf.extend(line.iter().copied().filter(|b| *b != b'\n'));
-    buf.push(b'\n');
-    f.write_all(&buf).and_then(|()| f.sync_data()).map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
-/// Writes `bytes` to `path` whole: a temporary file, synced, then renamed.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    use std::io::Write as _;
-    let tmp = path.with_extension("incoming");
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| format!("cannot write {}: {e}", path.display()))
-}
-
-async fn get(
-    client: &Http,
-    s: &ControlSettings,
-    lane: Lane,
-    running: u64,
-    have: u64,
-    wait: u64,
-    full: bool,
-) -> Result<Option<Bytes>, String> {
-    let base = s.url.trim_end_matches('/');
-    let canary = if s.canary { "&canary=1" } else { "" };
-    let full = if full { "&full=1" } else { "" };
-    let url = format!(
-        "{base}/v1/nodes/{}/{}?have={have}&running={running}&wait={wait}{canary}{full}",
-        s.node_id,
-        lane.as_str()
-    );
+async fn get(client: &Http, s: &ControlSettings, lane: Lane, poll: Poll) -> Result<Option<Bytes>, String> {
+    let url = format!("{}{}?{}", s.url.trim_end_matches('/'), Poll::path(&s.node_id, lane), poll.query());
     let req = Request::get(&url)
         .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(wait + 10), client.request(req))
+    let resp = tokio::time::timeout(Duration::from_secs(poll.wait_s + 10), client.request(req))
         .await
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| e.to_string())?;
@@ -312,12 +257,13 @@ async fn get(
     }
 }
 
-async fn post_ack(client: &Http, s: &ControlSettings, lane: Lane, ack: serde_json::Value) -> Result<(), String> {
-    let url = format!("{}/v1/nodes/{}/{}/ack", s.url.trim_end_matches('/'), s.node_id, lane.as_str());
+async fn post_ack(client: &Http, s: &ControlSettings, lane: Lane, ack: Ack) -> Result<(), String> {
+    let url = format!("{}{}", s.url.trim_end_matches('/'), Ack::path(&s.node_id, lane));
+    let body = serde_json::to_vec(&ack).map_err(|e| e.to_string())?;
     let req = Request::post(&url)
         .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(ack.to_string())))
+        .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
         .await
@@ -329,13 +275,13 @@ async fn post_ack(client: &Http, s: &ControlSettings, lane: Lane, ack: serde_jso
 /// Fetches every module the snapshot names that is not on disk yet, checking each
 /// against its digest.
 async fn fetch_modules(client: &Http, s: &ControlSettings, snapshot: &[u8]) -> Result<(), String> {
-    let text = std::str::from_utf8(snapshot).map_err(|_| "snapshot is not UTF-8".to_owned())?;
-    for hex in module_digests(text) {
+    let (_, snapshot) = postern_model::SnapshotFile::open(snapshot).map_err(|e| e.to_string())?;
+    for hex in snapshot.module_digests() {
         let path = s.modules.join(format!("{hex}.wasm"));
         if path.exists() {
             continue;
         }
-        let url = format!("{}/v1/modules/{hex}", s.url.trim_end_matches('/'));
+        let url = format!("{}{}", s.url.trim_end_matches('/'), protocol::module_path(hex));
         let req = Request::get(&url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", s.token))
             .body(Full::new(Bytes::new()))
@@ -352,39 +298,7 @@ async fn fetch_modules(client: &Http, s: &ControlSettings, snapshot: &[u8]) -> R
             return Err(format!("module {hex}: its content does not match its digest"));
         }
         std::fs::create_dir_all(&s.modules).map_err(|e| e.to_string())?;
-        write_atomic(&path, &body)?;
+        disk::write_atomic(&path, &body).map_err(|e| e.to_string())?;
     }
     Ok(())
-}
-
-/// Module digests (`"sha256:<64 hex>"` values of `module` fields) in a snapshot's text.
-fn module_digests(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("\"module\":\"sha256:") {
-        rest = &rest[i + "\"module\":\"sha256:".len()..];
-        if let Some(hex) = rest.get(..64)
-            && hex.bytes().all(|b| b.is_ascii_hexdigit())
-            && !out.iter().any(|h| h == hex)
-        {
-            out.push(hex.to_owned());
-        }
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn module_digests_are_found_once_each() {
-        let a = "a".repeat(64);
-        let b = "b".repeat(64);
-        let text = format!(
-            r#"{{"routes":[{{"filters":[{{"config":{{"module":"sha256:{a}"}}}},{{"config":{{"module":"sha256:{b}"}}}}]}},{{"config":{{"module":"sha256:{a}"}}}}]}}"#
-        );
-        assert_eq!(module_digests(&text), vec![a, b]);
-        assert!(module_digests(r#"{"module":"sha256:xyz"}"#).is_empty());
-    }
 }

@@ -1,0 +1,36 @@
+//! The runtime's monotonic clock, and its coarse copy the epoch thread keeps: what the
+//! per-call bookkeeping (quarantine windows, the idle pool's lane) reads instead of asking
+//! the system for the time on every request.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+fn clock_origin() -> Instant {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *ORIGIN.get_or_init(Instant::now)
+}
+
+/// Milliseconds of the runtime's monotonic clock.
+pub(crate) fn clock_ms() -> u64 {
+    u64::try_from(clock_origin().elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// [`clock_ms`] as of the epoch thread's last tick, at most about a millisecond old.
+static COARSE_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds of the runtime's monotonic clock, as of the last epoch tick: what the
+/// per-call bookkeeping (quarantine windows, the idle pool's lane) reads instead of asking
+/// the system for the time on every request.
+pub(crate) fn coarse_ms() -> u64 {
+    COARSE_MS.load(Ordering::Relaxed)
+}
+
+/// Nanoseconds of the runtime's monotonic clock (the `monotonic-now` import).
+pub(crate) fn monotonic_ns() -> u64 {
+    u64::try_from(clock_origin().elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Brings [`coarse_ms`] up to date: the epoch thread does this on every tick.
+pub(crate) fn tick() {
+    COARSE_MS.fetch_max(clock_ms(), Ordering::Relaxed);
+}

@@ -1,0 +1,363 @@
+//! The two lanes a call runs on. First **on the worker**, synchronously, within a slice of
+//! fuel and memory growth; a call that outruns its slice (or a filter demoted after a
+//! costly failure) runs again from the start on the **idle pool**: threads at the lowest
+//! CPU priority fed from a bounded queue, with the arguments copied for them. A fresh
+//! store and instance per call on either lane.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Lift, Lower, ResourceTable};
+use wasmtime::{Engine, Store, UpdateDeadline};
+
+use super::fit::{call_decision_fits, call_response_fits};
+use super::state::{State, classify};
+use super::wit::{
+    OnRequest, OnRequestBody, OnRequestBodyOwned, OnRequestOwned, OnResponse, OnResponseOwned, owned, owned_context,
+    owned_fields, owned_request, typed, types,
+};
+use super::{Binding, Call, Exports, Runtime};
+use crate::clock::coarse_ms;
+use crate::stats::Outcome;
+use postern_model::wasm::Limits;
+
+/// How much fuel a call may burn on the worker before it is stopped and run again on the
+/// idle pool: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms). Fuel, not wall time, so
+/// a worker preempted mid-call does not send a quick filter to the pool.
+pub(super) const SLICE_FUEL: u64 = 7_000_000;
+
+/// How far a call may grow its memory on the worker before it is stopped and run again
+/// on the idle pool: faulting in fresh pages is time that burns no fuel.
+pub(super) const SLICE_MEMORY: usize = 2 << 20;
+
+/// Calls waiting for the idle pool at most; beyond, a call is `overloaded`.
+const POOL_QUEUE: usize = 256;
+
+/// How long past its deadline a request waits for its call on the idle pool (which is
+/// interrupted at the first epoch tick past the deadline) before answering
+/// `deadline_exceeded` without it.
+const POOL_GRACE: Duration = Duration::from_millis(20);
+
+impl Runtime {
+    /// One call of the export at `export` in a fresh instance, on the worker itself:
+    /// most filters answer in microseconds. An answer that does not `fit` the limits is
+    /// `bad_output`. `None` when the call belongs on the idle pool
+    /// ([`Self::run_on_pool`]): the filter was demoted on this route (it outran its slice
+    /// or failed costly recently), or this call just outran its slice (it was stopped;
+    /// its log lines and counters are kept back until a run is final, so nothing counts
+    /// twice).
+    fn run_on_worker<P, R>(
+        &self,
+        b: &Binding,
+        export: fn(&Exports) -> &ComponentExportIndex,
+        params: P,
+        fits: fn(&R, &Limits) -> Result<(), Outcome>,
+        start: Instant,
+    ) -> Option<Call<R>>
+    where
+        P: ComponentNamedList + Lower,
+        R: ComponentNamedList + Lift,
+    {
+        if self.metering && b.stats.pool_until_ms.load(Ordering::Relaxed) > coarse_ms() {
+            return None;
+        }
+        let (store, result) =
+            call_in_fresh_instance(&self.engine, self.metering, Lane::Worker, b, export, params, start);
+        // Out of the slice's fuel (not the filter's own) or memory: the filter needs more
+        // than a slice, so it runs again on the idle pool, as its next calls will.
+        let state = store.data();
+        let out_of_slice = state.out_of_slice || (matches!(result, Err(Outcome::Fuel)) && state.fuel < b.limits.fuel);
+        if !out_of_slice {
+            let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
+            return Some(finish(self.metering, store, result, start));
+        }
+        b.stats.reruns.fetch_add(1, Ordering::Relaxed);
+        b.stats.demote();
+        None
+    }
+
+    /// One call of the export at `export` in a fresh instance on the idle pool, under the
+    /// deadline of a call that started at `start`; an answer that does not `fit` the
+    /// limits is `bad_output` there. The answer comes by the deadline (and a little
+    /// grace) even if the pool is busy: then it is `deadline_exceeded`, and the queued
+    /// call is dropped unrun.
+    fn run_on_pool<P, R>(
+        &self,
+        b: &Binding,
+        export: fn(&Exports) -> &ComponentExportIndex,
+        params: P,
+        fits: fn(&R, &Limits) -> Result<(), Outcome>,
+        start: Instant,
+    ) -> impl Future<Output = Call<R>> + Send + 'static
+    where
+        P: ComponentNamedList + Lower + Send + 'static,
+        R: ComponentNamedList + Lift + Send + 'static,
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (engine, metering, b) = (self.engine.clone(), self.metering, b.clone());
+        let deadline = start + b.limits.deadline();
+        let job: Job = Box::new(move || {
+            if tx.is_closed() {
+                return; // the request is gone
+            }
+            if Instant::now() >= deadline {
+                let _ = tx.send(Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() });
+                return;
+            }
+            let (store, result) = call_in_fresh_instance(&engine, metering, Lane::Pool, &b, export, params, start);
+            let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
+            let _ = tx.send(finish(metering, store, result, start));
+        });
+        let queued = self.pool.try_send(job).is_ok();
+        async move {
+            if !queued {
+                return Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() };
+            }
+            match tokio::time::timeout_at((deadline + POOL_GRACE).into(), rx).await {
+                Ok(Ok(call)) => call,
+                _ => Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() },
+            }
+        }
+    }
+
+    /// Runs the request phase in a fresh instance on the worker, or says (`Err`, with
+    /// the call's start) that it must run on the idle pool: then call
+    /// [`Self::on_request_on_pool`] with the same arguments and that start.
+    pub fn on_request_now(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        cx: types::Context<'_>,
+    ) -> Result<Call<types::Decision>, Instant> {
+        let start = Instant::now();
+        let call = self.run_on_worker::<OnRequest<'_>, _>(b, |e| &e.on_request, (req, cx), call_decision_fits, start);
+        call.map(|c| c.map(|(d,)| d)).ok_or(start)
+    }
+
+    /// Runs the request phase in a fresh instance on the idle pool, under the deadline of
+    /// a call that started at `start`. The arguments are copied for the pool's thread.
+    pub fn on_request_on_pool(
+        &self,
+        b: &Binding,
+        req: &types::Request<'_>,
+        cx: &types::Context<'_>,
+        start: Instant,
+    ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
+        let params = (owned_request(req), owned_context(cx));
+        let call = self.run_on_pool::<OnRequestOwned, _>(b, |e| &e.on_request, params, call_decision_fits, start);
+        async move { call.await.map(|(d,)| d) }
+    }
+
+    /// Runs the request body phase in a fresh instance on the worker, or says (`Err`)
+    /// that it must run on the idle pool, as [`Self::on_request_now`].
+    pub fn on_request_body_now(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        body: &[u8],
+        cx: types::Context<'_>,
+    ) -> Result<Call<types::Decision>, Instant> {
+        let start = Instant::now();
+        let call = self.run_on_worker::<OnRequestBody<'_>, _>(
+            b,
+            |e| &e.on_request_body,
+            (req, body, cx),
+            call_decision_fits,
+            start,
+        );
+        call.map(|c| c.map(|(d,)| d)).ok_or(start)
+    }
+
+    /// Runs the request body phase in a fresh instance on the idle pool, as
+    /// [`Self::on_request_on_pool`].
+    pub fn on_request_body_on_pool(
+        &self,
+        b: &Binding,
+        req: &types::Request<'_>,
+        body: &[u8],
+        cx: &types::Context<'_>,
+        start: Instant,
+    ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
+        let params = (owned_request(req), body.to_vec(), owned_context(cx));
+        let call =
+            self.run_on_pool::<OnRequestBodyOwned, _>(b, |e| &e.on_request_body, params, call_decision_fits, start);
+        async move { call.await.map(|(d,)| d) }
+    }
+
+    /// Runs the request phase in a fresh instance, on the worker if it can, else on the
+    /// idle pool.
+    pub async fn on_request(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        cx: types::Context<'_>,
+    ) -> Call<types::Decision> {
+        match self.on_request_now(b, req.clone(), cx.clone()) {
+            Ok(call) => call,
+            Err(start) => self.on_request_on_pool(b, &req, &cx, start).await,
+        }
+    }
+
+    /// Runs the request body phase in a fresh instance, on the worker if it can, else on
+    /// the idle pool.
+    pub async fn on_request_body(
+        &self,
+        b: &Binding,
+        req: types::Request<'_>,
+        body: &[u8],
+        cx: types::Context<'_>,
+    ) -> Call<types::Decision> {
+        match self.on_request_body_now(b, req.clone(), body, cx.clone()) {
+            Ok(call) => call,
+            Err(start) => self.on_request_body_on_pool(b, &req, body, &cx, start).await,
+        }
+    }
+
+    /// Runs the response phase in a fresh instance, on the worker if it can, else on the
+    /// idle pool.
+    pub async fn on_response(
+        &self,
+        b: &Binding,
+        resp: types::ResponseHead<'_>,
+        cx: types::Context<'_>,
+    ) -> Call<types::ResponseEdits> {
+        let start = Instant::now();
+        let params = (resp.clone(), cx.clone());
+        let call =
+            match self.run_on_worker::<OnResponse<'_>, _>(b, |e| &e.on_response, params, call_response_fits, start) {
+                Some(call) => call,
+                None => {
+                    let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
+                    let params = (head, owned_context(&cx));
+                    self.run_on_pool::<OnResponseOwned, _>(b, |e| &e.on_response, params, call_response_fits, start)
+                        .await
+                }
+            };
+        call.map(|(r,)| r)
+    }
+}
+
+/// Where a call runs, which decides its store's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// On a worker: at most a slice of fuel and memory growth ([`SLICE_FUEL`],
+    /// [`SLICE_MEMORY`]), then it is stopped to run again on the idle pool.
+    Worker,
+    /// On the idle pool (or at snapshot build, for `init`): the filter's own limits.
+    Pool,
+}
+
+/// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
+/// call is interrupted, at the first epoch tick (1 ms) after it.
+pub(super) fn new_store(engine: &Engine, metering: bool, lane: Lane, b: &Binding, start: Instant) -> Store<State> {
+    let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
+    let state = State {
+        table: ResourceTable::new(),
+        output: Vec::new(),
+        memory_max: usize::try_from(limits.memory_bytes).unwrap_or(usize::MAX),
+        memory_slice: if lane == Lane::Worker && metering { SLICE_MEMORY } else { usize::MAX },
+        memory_base: 0,
+        memory_denied: false,
+        out_of_slice: false,
+        host_calls: 0,
+        host_calls_max: limits.host_calls,
+        host_calls_exceeded: false,
+        stats,
+        line: Vec::new(),
+        log_budget: 4096,
+        tag,
+        panicked: false,
+        fuel: 0,
+        logs: Vec::new(),
+        counters: Vec::new(),
+    };
+    let mut store = Store::new(engine, state);
+    store.limiter(|s| s);
+    if !metering {
+        return store;
+    }
+    let fuel = if lane == Lane::Worker { limits.fuel.min(SLICE_FUEL) } else { limits.fuel };
+    let _ = store.set_fuel(fuel);
+    store.data_mut().fuel = fuel;
+    let deadline = start + limits.deadline();
+    store.epoch_deadline_callback(move |_| {
+        Ok(if Instant::now() >= deadline { UpdateDeadline::Interrupt } else { UpdateDeadline::Continue(1) })
+    });
+    store.set_epoch_deadline(1);
+    store
+}
+
+/// Instantiates the binding's module in a fresh store on `lane` and calls the export at
+/// `export` with `params`: the store (for its records) and the answer or why there is
+/// none.
+fn call_in_fresh_instance<P, R>(
+    engine: &Engine,
+    metering: bool,
+    lane: Lane,
+    b: &Binding,
+    export: fn(&Exports) -> &ComponentExportIndex,
+    params: P,
+    start: Instant,
+) -> (Store<State>, Result<R, Outcome>)
+where
+    P: ComponentNamedList + Lower,
+    R: ComponentNamedList + Lift,
+{
+    let mut store = new_store(engine, metering, lane, b, start);
+    let result = match b.module.pre.instantiate(&mut store) {
+        Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
+        Ok(instance) => typed::<P, R>(&instance, &mut store, export(&b.module.exports))
+            .and_then(|f| f.call(&mut store, params))
+            .map_err(|e| classify(&e, store.data(), Outcome::Trap)),
+    };
+    (store, result)
+}
+
+/// The call is final: its log lines and counters go out, and the store is dropped.
+pub(super) fn finish<T>(
+    metering: bool,
+    mut store: Store<State>,
+    result: Result<T, Outcome>,
+    start: Instant,
+) -> Call<T> {
+    let fuel = if metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+    store.data_mut().commit();
+    drop(store);
+    Call { result, fuel, took: start.elapsed() }
+}
+
+/// A call for the idle pool.
+pub(super) type Job = Box<dyn FnOnce() + Send>;
+
+/// Starts the idle pool: `threads` threads at the lowest CPU priority (nice 19), taking
+/// calls from a queue of [`POOL_QUEUE`]; returns once each has set its priority. They end
+/// when the sender is dropped.
+pub(super) fn start_pool(threads: usize) -> std::io::Result<std::sync::mpsc::SyncSender<Job>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(POOL_QUEUE);
+    let rx = Arc::new(Mutex::new(rx));
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let threads = threads.max(1);
+    for i in 0..threads {
+        let (rx, ready_tx) = (rx.clone(), ready_tx.clone());
+        std::thread::Builder::new().name(format!("postern-wasm-idle-{i}")).spawn(move || {
+            // This thread only: on Linux, a thread id names one thread.
+            if let Err(e) = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 19) {
+                tracing::warn!("the idle pool's thread keeps its priority: {e}");
+            }
+            let _ = ready_tx.send(());
+            drop(ready_tx);
+            loop {
+                let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                match job {
+                    Ok(job) => job(),
+                    Err(_) => return,
+                }
+            }
+        })?;
+    }
+    for _ in 0..threads {
+        let _ = ready.recv();
+    }
+    Ok(tx)
+}

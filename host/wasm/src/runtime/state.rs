@@ -1,0 +1,145 @@
+//! A call's store state: the resource limiter (memory, tables, the worker's slice), the
+//! host-call budget, what the guest logged and counted (kept back until the call is final)
+//! and how a failed call is classified from the trap and these records.
+
+use std::sync::Arc;
+
+use wasmtime::Trap;
+use wasmtime::component::ResourceTable;
+
+use super::wit::bindings::postern::filter::host::Level;
+use crate::stats::{FilterStats, Outcome};
+
+/// Per-call store state.
+pub struct State {
+    pub(super) table: ResourceTable,
+    /// What the guest wrote to stdout and stderr (capped).
+    pub(super) output: Vec<u8>,
+    pub(super) memory_max: usize,
+    /// How far the memory may grow past its size at instantiation before the call is
+    /// stopped to run on the idle pool.
+    pub(super) memory_slice: usize,
+    /// The memory's size at instantiation.
+    pub(super) memory_base: usize,
+    pub(super) memory_denied: bool,
+    /// Stopped at the end of its slice on the worker (not a failure of its own).
+    pub(super) out_of_slice: bool,
+    pub(super) host_calls: u32,
+    pub(super) host_calls_max: u32,
+    pub(super) host_calls_exceeded: bool,
+    pub(super) stats: Arc<FilterStats>,
+    /// The log line being received, chunk by chunk (cut at `MAX_LOG_LINE`).
+    pub(super) line: Vec<u8>,
+    pub(super) log_budget: usize,
+    pub(super) tag: Arc<str>,
+    /// The guest reported a panic (the SDK's panic hook logs it before aborting).
+    pub(super) panicked: bool,
+    /// Fuel the store was given.
+    pub(super) fuel: u64,
+    /// Log lines and counter additions, applied once the call is final, so that a call
+    /// run again after its slice is not counted twice.
+    pub(super) logs: Vec<(Level, String)>,
+    pub(super) counters: Vec<(String, u64)>,
+}
+
+impl wasmtime::ResourceLimiter for State {
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.memory_max {
+            self.memory_denied = true;
+            return Ok(false);
+        }
+        if current == 0 {
+            self.memory_base = self.memory_base.max(desired);
+        } else if desired.saturating_sub(self.memory_base) > self.memory_slice {
+            self.out_of_slice = true;
+            return Err(wasmtime::Error::new(OutOfSlice));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > 100_000 {
+            self.memory_denied = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn instances(&self) -> usize {
+        16
+    }
+
+    fn tables(&self) -> usize {
+        16
+    }
+
+    fn memories(&self) -> usize {
+        4
+    }
+}
+
+/// Trap raised when a call on the worker grows its memory past the slice.
+#[derive(Debug, thiserror::Error)]
+#[error("memory growth past the worker's slice")]
+pub(super) struct OutOfSlice;
+
+/// Trap raised when a filter calls the host too often.
+#[derive(Debug, thiserror::Error)]
+#[error("host call limit exceeded")]
+pub(super) struct HostCallLimit;
+
+impl State {
+    /// Emits the call's log lines and adds its counters: the call is final.
+    pub(super) fn commit(&mut self) {
+        let tag = &*self.tag;
+        for (level, msg) in self.logs.drain(..) {
+            match level {
+                Level::Debug => tracing::debug!(filter = tag, "{msg}"),
+                Level::Info => tracing::info!(filter = tag, "{msg}"),
+                Level::Warn => tracing::warn!(filter = tag, "{msg}"),
+                Level::Error => tracing::error!(filter = tag, "{msg}"),
+            }
+        }
+        for (name, delta) in self.counters.drain(..) {
+            self.stats.counter_add(&name, delta);
+        }
+    }
+
+    /// The resource table and the output buffer, for the WASI stubs.
+    pub(crate) fn stubs(&mut self) -> (&mut ResourceTable, &mut Vec<u8>) {
+        (&mut self.table, &mut self.output)
+    }
+
+    pub(super) fn host_call(&mut self) -> wasmtime::Result<()> {
+        self.host_calls += 1;
+        if self.host_calls > self.host_calls_max {
+            self.host_calls_exceeded = true;
+            return Err(wasmtime::Error::new(HostCallLimit));
+        }
+        Ok(())
+    }
+}
+
+/// Tells the ways a call can fail apart, from the trap and the store's own records.
+pub(super) fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) -> Outcome {
+    if state.host_calls_exceeded || e.downcast_ref::<HostCallLimit>().is_some() {
+        return Outcome::HostCalls;
+    }
+    if state.memory_denied {
+        return Outcome::Memory;
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => Outcome::Fuel,
+        Some(Trap::Interrupt) => Outcome::Deadline,
+        Some(Trap::StackOverflow) | Some(Trap::MemoryOutOfBounds) => Outcome::Stack,
+        Some(Trap::UnreachableCodeReached) => {
+            let panicked = state.panicked || state.output.windows(8).any(|w| w == b"panicked");
+            if panicked { Outcome::Panic } else { Outcome::Trap }
+        }
+        Some(_) => Outcome::Trap,
+        None => {
+            let msg = format!("{e:#}");
+            if msg.contains("memory") && msg.contains("grow") { Outcome::Memory } else { fallback }
+        }
+    }
+}
