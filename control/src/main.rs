@@ -684,7 +684,7 @@ fn plan(repo: &Path, against: &Path) -> ExitCode {
     };
     match posternctl::compile::compile(repo) {
         Ok(new) => {
-            out!("{}", posternctl::plan::render(&posternctl::plan::plan(&old, &new.snapshot)));
+            out!("{}", posternctl::plan::render(&posternctl::plan::diff(&old, &new.snapshot)));
             ExitCode::SUCCESS
         }
         Err(rejected) => {

@@ -28,11 +28,11 @@ impl Change {
     }
 }
 
-/// Changes by owner (`platform`, or a team) then id.
-pub type Plan = BTreeMap<String, Vec<(Change, String)>>;
+/// What a change does: changes by owner (`platform`, or a team) then id.
+pub type Diff = BTreeMap<String, Vec<(Change, String)>>;
 
 fn diff_maps<T: PartialEq>(
-    out: &mut Plan,
+    out: &mut Diff,
     owner: impl Fn(&str) -> String,
     old: &BTreeMap<String, &T>,
     new: &BTreeMap<String, &T>,
@@ -58,8 +58,8 @@ fn named<'a, T>(kind: &str, m: &'a BTreeMap<String, T>) -> BTreeMap<String, &'a 
 }
 
 /// The changes from `old` to `new`.
-pub fn plan(old: &Snapshot, new: &Snapshot) -> Plan {
-    let mut out = Plan::new();
+pub fn diff(old: &Snapshot, new: &Snapshot) -> Diff {
+    let mut out = Diff::new();
     let teams: BTreeMap<String, String> =
         old.routes.iter().chain(&new.routes).map(|r| (r.id.clone(), r.team.clone())).collect();
     diff_maps(&mut out, |id| teams.get(id).cloned().unwrap_or_default(), &routes(old), &routes(new));
@@ -91,7 +91,7 @@ pub fn changed_routes(old: &Snapshot, new: &Snapshot) -> Vec<String> {
 }
 
 /// The plan as text: one block per owner, one line per change.
-pub fn render(plan: &Plan) -> String {
+pub fn render(plan: &Diff) -> String {
     if plan.is_empty() {
         return "no changes\n".to_owned();
     }
@@ -150,7 +150,7 @@ mod tests {
         );
         write(root, "teams/search/routes.yaml", &format!("routes:\n{}", route("q", "/s/q", "2s")));
         let before = compiled(root);
-        assert_eq!(render(&plan(&before, &before)), "no changes\n");
+        assert_eq!(render(&diff(&before, &before)), "no changes\n");
 
         write(
             root,
@@ -163,7 +163,7 @@ mod tests {
             "clusters:\n  a:\n    endpoints: [\"127.0.0.1:9\"]\n  b:\n    endpoints: [\"127.0.0.1:10\"]\n",
         );
         let after = compiled(root);
-        let text = render(&plan(&before, &after));
+        let text = render(&diff(&before, &after));
         assert_eq!(
             text,
             "orders:\n  + orders/new\n  ~ orders/get\n  - orders/old\nplatform:\n  + cluster b\n2 added, 1 changed, 1 removed\n",

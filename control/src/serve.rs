@@ -587,7 +587,7 @@ impl Server {
         let _one = self.publishing.lock().await;
         let repo = self.repo.clone();
         let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
-        let Compiled { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
+        let Publishable { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
             Ok(Ok(c)) => c,
             Ok(Err(errors)) => {
                 return json(
@@ -685,7 +685,7 @@ impl Server {
     ) -> Vec<String> {
         let Some(old) = old else { return vec!["the first version is published by the platform".to_owned()] };
         let mut out = Vec::new();
-        for (owner, changes) in crate::plan::plan(old, new) {
+        for (owner, changes) in crate::plan::diff(old, new) {
             if owner != team {
                 for (change, id) in changes {
                     out.push(format!("{} {id} belongs to {owner}", format!("{change:?}").to_lowercase()));
@@ -850,8 +850,8 @@ async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Re
     serde_json::from_slice(&body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }
 
-/// A compiled repository ready to publish.
-struct Compiled {
+/// A compiled repository ready to publish: the snapshot, both lanes serialised, the modules.
+struct Publishable {
     /// The snapshot, as compiled.
     snapshot: postern_model::Snapshot,
     /// The same, serialised: what is published.
@@ -863,7 +863,7 @@ struct Compiled {
 }
 
 /// Compiles the repository's snapshot and credential state, with the modules it names.
-fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
+fn compile_repo(repo: &std::path::Path) -> Result<Publishable, Vec<String>> {
     let compiled =
         crate::compile::compile(repo).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())?;
     let creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
@@ -874,7 +874,7 @@ fn compile_repo(repo: &std::path::Path) -> Result<Compiled, Vec<String>> {
     }
     let snapshot_json = serde_json::value::to_raw_value(&compiled.snapshot).map_err(|e| vec![e.to_string()])?;
     let credentials = serde_json::value::to_raw_value(&creds).map_err(|e| vec![e.to_string()])?;
-    Ok(Compiled { snapshot: compiled.snapshot, snapshot_json, credentials, modules })
+    Ok(Publishable { snapshot: compiled.snapshot, snapshot_json, credentials, modules })
 }
 
 /// One request to a control plane, as the CLI makes it, with an optional JSON body.
