@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# User-space instructions per request (valgrind's callgrind), for one or more builds in
+# turn: each BIN_DIR holds a `postern` and a `posternctl`. One keep-alive client (curl),
+# 300 warm-up requests, counters zeroed, N requests counted per route (a public route
+# with no filter, and one with a native header filter), PROGRAM TOTALS / N. Counts do
+# not move with the host's load, so builds compare on a busy machine.
+#
+#   bash bench/instructions.sh BIN_DIR [BIN_DIR ...]      Env: N (200)
+#
+# Needs valgrind and a built `postern-echo` (target/debug or target/release).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+[ $# -ge 1 ] || { echo "usage: $0 BIN_DIR [BIN_DIR ...]" >&2; exit 2; }
+N=${N:-200}
+echo_bin=$root/target/release/postern-echo
+[ -x "$echo_bin" ] || echo_bin=$root/target/debug/postern-echo
+lp=$(mktemp -d)
+"$echo_bin" --listen 127.0.0.1:18080 >/dev/null 2>&1 &
+echo_pid=$!
+trap 'kill $echo_pid 2>/dev/null || true; rm -rf "$lp"' EXIT
+mk() { # tag ctl
+  local work=$lp/$1
+  mkdir -p $work/repo/platform $work/repo/teams/bench/filters
+  printf 'clusters:\n  orders: { endpoints: ["127.0.0.1:18080"] }\n' > $work/repo/platform/clusters.yaml
+  printf 'owners:\n  - { host: "*", pathPrefix: /, team: bench }\n' > $work/repo/platform/ownership.yaml
+  route() { printf '  - name: %s\n    public: true\n    match: { path: { type: PathPrefix, value: %s } }\n    backendRefs: [{ name: orders }]\n    timeouts: { connect: 1s, response: 5s }\n    rewrite: { replacePrefixMatch: /v1/orders }\n%s\n' "$1" "$2" "${3:-}"; }
+  { echo "routes:"; route plain /v1/plain; } > $work/repo/teams/bench/routes.yaml
+  route native /v1/native $'    requestHeaders:\n      set: [{ name: x-bench, value: "1" }]' >> $work/repo/teams/bench/routes.yaml
+  $2 compile $work/repo -o $work/snapshot.json >&2
+}
+reqs() { # port path n
+  local args=()
+  for _ in $(seq $3); do args+=(-o /dev/null "http://127.0.0.1:$1$2"); done
+  curl -s -o /dev/null "${args[@]}"
+}
+i=0
+for dir in "$@"; do
+  i=$((i + 1)); tag=b$i; bin=$(cd "$dir" && pwd)
+  mk $tag $bin/posternctl
+  # Warm the compiled-code cache natively first.
+  $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 >/dev/null 2>&1 &
+  p=$!; for _ in $(seq 200); do curl -sf -o /dev/null http://127.0.0.1:18292/healthz && break; sleep 0.1; done; kill $p; wait $p 2>/dev/null || true
+  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file=$lp/cg.$tag.%p $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 >/dev/null 2>$lp/vg.$tag.log &
+  p=$!
+  for _ in $(seq 600); do curl -sf -o /dev/null http://127.0.0.1:18292/healthz && break; sleep 0.5; done
+  for path in /v1/plain/1 /v1/native/1; do
+    reqs 18290 $path 300
+    callgrind_control -z $p >/dev/null
+    reqs 18290 $path $N
+    callgrind_control -d "$tag${path//\//_}" $p >/dev/null
+    sleep 1
+    f=$(ls -t $lp/cg.$tag.$p.* | head -1)
+    total=$(callgrind_annotate $f 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",","",$1); print $1}')
+    echo "$bin $path $((total / N)) instructions/request"
+  done
+  kill $p; wait $p 2>/dev/null || true
+done
