@@ -123,7 +123,7 @@ fn token(claims: &serde_json::Value) -> String {
 
 fn bench(c: &mut Criterion) {
     let (creds, raw) = credentials(100_000);
-    let auth = Arc::new(Authenticator::new(65_536));
+    let auth = Arc::new(Authenticator::new(65_536, 64 << 20));
     auth.credentials.store(Arc::new(CredentialStore::build(1, &creds, unix_now()).unwrap()));
     let now = unix_now();
 

@@ -345,6 +345,11 @@ pub struct RateLimitFilter {
     plans: Vec<(Box<[u8]>, PlanLimits)>,
 }
 
+/// Seeds that keep the kinds of bucket apart (see [`RateLimitFilter`]'s `on_request`).
+const KIND_KEY: u64 = 0x6b65_795f_6275_636b;
+const KIND_USER: u64 = 0x7573_6572_5f62_7563;
+const KIND_APP: u64 = 0x6170_705f_6275_636b;
+
 fn seed(s: &[u8], salt: u64) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(s, salt)
 }
@@ -396,12 +401,15 @@ impl Filter for RateLimitFilter {
             return Flow::Respond(p.into());
         }
         let now = self.limiter.now();
-        // The caller: its API key, or the app's user for an access token.
+        // The caller: its API key, or the app's user for an access token. Each kind of
+        // bucket hashes under its own seed (and the class's), so an API key, a user of an
+        // app and an app's ceiling never share a bucket.
         let caller = match (&id.key_id, &id.client_id, &id.subject) {
-            (Some(k), _, _) => seed(k, self.class_seed),
-            (None, c, s) => {
-                seed(s.as_deref().unwrap_or_default(), seed(c.as_deref().unwrap_or_default(), self.class_seed))
-            }
+            (Some(k), _, _) => seed(k, self.class_seed ^ KIND_KEY),
+            (None, c, s) => seed(
+                s.as_deref().unwrap_or_default(),
+                seed(c.as_deref().unwrap_or_default(), self.class_seed ^ KIND_USER),
+            ),
         };
         // The caller's own bucket first, so a key refused there never drains its app's
         // shared ceiling; if the ceiling then refuses, the caller's tokens go back.
@@ -409,7 +417,7 @@ impl Filter for RateLimitFilter {
         let mut taken: Option<(u64, &Limit)> = None;
         for (limit, key, name) in [
             (&limits.caller, caller, &*self.class),
-            (&limits.app, id.client_id.as_ref().map_or(0, |c| seed(c, 0xa99)), "app"),
+            (&limits.app, id.client_id.as_ref().map_or(0, |c| seed(c, KIND_APP)), "app"),
         ] {
             let Some(limit) = limit else { continue };
             let v = self.limiter.take(key, limit, self.cost, now);

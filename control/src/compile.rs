@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
+use postern_model::path::PathPolicy;
 use postern_model::{
     AuthMethod, Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite,
     Plan, Pool, Route, RouteAuth, SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
@@ -74,6 +75,8 @@ struct Ctx {
     sampled: HashSet<PathBuf>,
     /// `platform/plans.yaml`.
     plans: PlansDoc,
+    /// `platform/gateway.yaml`'s path policy.
+    paths: PathPolicy,
 }
 
 /// A compiled repository: the snapshot and the filter modules it references.
@@ -190,7 +193,14 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         modules: BTreeMap::new(),
         sampled: HashSet::new(),
         plans: PlansDoc::default(),
+        paths: PathPolicy::default(),
     };
+    let gateway_path = root.join("platform/gateway.yaml");
+    if gateway_path.exists()
+        && let Some(doc) = cx.load::<crate::config::GatewayDoc>(&gateway_path, None)
+    {
+        cx.paths = doc.paths;
+    }
     let plans_path = root.join("platform/plans.yaml");
     if plans_path.exists()
         && let Some(doc) = cx.load::<PlansDoc>(&plans_path, None)
@@ -235,7 +245,11 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                 cx.error(&clusters_path, format!("{field}.endpoints[{i}]"), format!("{e:?} is not host:port"), None);
             }
         }
-        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner });
+        let max_connections = c.max_connections.unwrap_or(postern_model::DEFAULT_MAX_CONNECTIONS);
+        if max_connections == 0 || max_connections > postern_model::MAX_CONNECTIONS_LIMIT {
+            cx.error(&clusters_path, format!("{field}.maxConnections"), "must be 1 to 65536", None);
+        }
+        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections });
     }
 
     let ownership_path = root.join("platform/ownership.yaml");
@@ -353,6 +367,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                         (k.clone(), plan)
                     })
                     .collect(),
+                paths: cx.paths,
             },
             modules: cx.modules,
         })
@@ -431,6 +446,15 @@ fn compile_route(
         kind,
         version: version.as_ref().map(|v| (v.header.as_str(), v.value.as_str())),
     };
+    // Requests are routed on their canonical path, so a literal segment that is not
+    // canonical could never match.
+    let literal: String =
+        path.split('/').map(|seg| if seg.starts_with('{') { "p" } else { seg }).collect::<Vec<_>>().join("/");
+    if path.starts_with('/')
+        && let Err(e) = postern_model::path::check_canonical(&literal, &cx.paths)
+    {
+        cx.error(file, format!("{field}.match.path.value"), e, owner);
+    }
     if let Err(e) = RouterBuilder::<()>::check(&spec) {
         let sub = match e {
             RouteError::Pattern { .. } => "match.path.value",
@@ -532,15 +556,13 @@ fn compile_route(
             }
         },
     };
+    // A rewrite's result is what the backend receives: it must be canonical, as every
+    // forwarded path is (an empty prefix replacement keeps the rest of the path).
     if let Some(PathRewrite::ReplacePrefix(p) | PathRewrite::ReplaceFull(p)) = &rewrite
-        && (!p.starts_with('/') || p.contains(['?', '#', ' ']) || p.split('/').any(|s| s == ".." || s == "."))
+        && !(p.is_empty() && matches!(rewrite, Some(PathRewrite::ReplacePrefix(_))))
+        && let Err(e) = postern_model::path::check_canonical(p, &cx.paths)
     {
-        cx.error(
-            file,
-            format!("{field}.rewrite"),
-            format!("{p:?} must be an absolute path without '?', '#' or dot segments"),
-            owner,
-        );
+        cx.error(file, format!("{field}.rewrite"), e, owner);
     }
 
     let mut filters = Vec::new();
@@ -766,7 +788,7 @@ fn check_route_samples(cx: &mut Ctx, routers: &HashMap<Pool, postern_router::Rou
             let Some(doc) = cx.load::<crate::config::SamplesDoc>(&file, Some(&team)) else { continue };
             for (i, sample) in doc.samples.iter().enumerate() {
                 let field = format!("samples[{i}]");
-                match route_sample(sample, &team, routers, routes) {
+                match route_sample(sample, &team, routers, routes, &cx.paths) {
                     Ok(()) => {}
                     Err(why) => cx.error(&file, field, format!("{:?}: {why}", sample.name), Some(&team)),
                 }
@@ -780,6 +802,7 @@ fn route_sample(
     team: &str,
     routers: &HashMap<Pool, postern_router::Router<usize>>,
     routes: &[Route],
+    paths: &PathPolicy,
 ) -> Result<(), String> {
     let r = &sample.request;
     let method =
@@ -791,9 +814,14 @@ fn route_sample(
         headers.insert(name, value);
     }
     let host = postern_router::strip_port(r.host.as_deref().unwrap_or("sample.invalid")).to_ascii_lowercase();
-    let path = r.path.split_once('?').map_or(r.path.as_str(), |(p, _)| p);
+    let raw = r.path.split_once('?').map_or(r.path.as_str(), |(p, _)| p);
     let pool = r.pool.unwrap_or(Pool::Public);
-    let got = match routers.get(&pool).map(|router| router.find(&host, &method, path, &headers)) {
+    // Routed as a node routes it: on its canonical path, or refused with 400.
+    let path = postern_model::path::canonical(raw, paths);
+    let found =
+        path.as_ref().ok().and_then(|p| routers.get(&pool).map(|router| router.find(&host, &method, p, &headers)));
+    let got = match found {
+        _ if path.is_err() => Err(400u16),
         Some(postern_router::Match::Found(i)) => Ok(routes.get(*i).map(|r| r.id.clone()).unwrap_or_default()),
         Some(postern_router::Match::MethodNotAllowed(_)) => Err(405u16),
         Some(postern_router::Match::NotFound) | None => Err(404u16),
@@ -804,8 +832,8 @@ fn route_sample(
     };
     let want = match (&sample.expect.route, sample.expect.status) {
         (Some(route), None) => Ok(if route.contains('/') { route.clone() } else { format!("{team}/{route}") }),
-        (None, Some(s @ (404 | 405))) => Err(s),
-        _ => return Err("expect gives either route or status (404 or 405)".to_owned()),
+        (None, Some(s @ (400 | 404 | 405))) => Err(s),
+        _ => return Err("expect gives either route or status (400, 404 or 405)".to_owned()),
     };
     if got == want { Ok(()) } else { Err(format!("expected {}, got {}", describe(&want), describe(&got))) }
 }
@@ -970,6 +998,26 @@ mod tests {
     }
 
     #[test]
+    fn the_path_policy_comes_from_gateway_yaml_and_judges_routes_and_samples() {
+        let dir = repo_t(&route("    match: { path: { type: PathPrefix, value: /t } }\n"));
+        let s = compile(dir.path()).unwrap().snapshot;
+        assert_eq!(s.paths, PathPolicy::default());
+        write(dir.path(), "platform/gateway.yaml", "paths:\n  semicolon: strip\n  emptySegments: merge\n");
+        // Saved requests route as a node routes them: on the canonical path, or 400.
+        write(
+            dir.path(),
+            "teams/t/samples/s.yaml",
+            "samples:\n  - name: merged\n    request: { method: GET, path: \"/t//x;v=1\" }\n    expect: { route: r }\n  - name: encoded-slash\n    request: { method: GET, path: \"/t/a%2Fb\" }\n    expect: { status: 400 }\n",
+        );
+        let s = compile(dir.path()).unwrap().snapshot;
+        assert_eq!(s.paths.semicolon, postern_model::path::Semicolon::Strip);
+        assert_eq!(s.paths.empty_segments, postern_model::path::EmptySegments::Merge);
+        write(dir.path(), "platform/gateway.yaml", "paths:\n  semicolons: strip\n");
+        let e = compile(dir.path()).unwrap_err().0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n");
+        assert!(e.contains("platform/gateway.yaml"), "{e}");
+    }
+
+    #[test]
     fn a_valid_route_compiles() {
         let s = compile_t(&route("    match: { path: { type: Exact, value: \"/t/orders/{id}\" }, methods: [GET] }\n"))
             .unwrap();
@@ -1060,7 +1108,14 @@ mod tests {
         ));
         assert!(e.contains("routes[0].rewrite: give exactly one"), "{e}");
         let e = error_of(&route("    match: { path: { value: /t } }\n    rewrite: { replaceFullPath: \"/a/../b\" }\n"));
-        assert!(e.contains("dot segments"), "{e}");
+        assert!(
+            e.contains("routes[0].rewrite: \"/a/../b\" is not a canonical path (its canonical form is \"/b\")"),
+            "{e}"
+        );
+        let e = error_of(&route("    match: { path: { value: /t } }\n    rewrite: { replaceFullPath: \"/a//b\" }\n"));
+        assert!(e.contains("routes[0].rewrite: \"/a//b\": the path has an empty segment"), "{e}");
+        let e = error_of(&route("    match: { path: { value: \"/t/%6F/{id}\" } }\n"));
+        assert!(e.contains("routes[0].match.path.value: \"/t/%6F/p\" is not a canonical path"), "{e}");
         let e = error_of(&route("    match: { path: { value: /t } }\n    deprecation: { sunset: next-year }\n"));
         assert!(e.contains("routes[0].deprecation.sunset: \"next-year\" is not an RFC 3339 date"), "{e}");
         let e = error_of(&route("    match: { path: { value: /t } }\n    maxBodyBytes: 2000000000\n"));

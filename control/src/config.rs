@@ -4,6 +4,7 @@
 //! ```text
 //! platform/clusters.yaml    clusters: {name: {endpoints: [host:port], owner: team}}
 //! platform/ownership.yaml   owners: [{host: api.example.com | "*", pathPrefix: /v1/orders, team: orders}]
+//! platform/gateway.yaml   paths: {encodedSlash, backslash, semicolon, emptySegments} (reject | ...)
 //! platform/plans.yaml       scopes: [..], products: [..], plans: {name: {products: [..]}}
 //! platform/auth.yaml        JWT settings, signing keys, apps, deny list (the credential state)
 //! platform/keys.jsonl       API key records (hashes only), one JSON object per line
@@ -34,6 +35,19 @@ pub struct ClusterDoc {
     /// Owning team; a route may use a cluster its team owns or one with no owner.
     #[serde(default)]
     pub owner: Option<String>,
+    /// Requests in flight to the cluster at most (default 1024, at most 65536).
+    #[serde(default, rename = "maxConnections")]
+    pub max_connections: Option<u32>,
+}
+
+/// `platform/gateway.yaml`: settings of the data plane that every route shares.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayDoc {
+    /// How request paths are made canonical before routing; every default refuses what
+    /// backends read differently (`encodedSlash`, `backslash`, `semicolon`, `emptySegments`).
+    #[serde(default)]
+    pub paths: postern_model::path::PathPolicy,
 }
 
 /// `platform/ownership.yaml`.
@@ -277,14 +291,15 @@ pub struct RouteSampleDoc {
 }
 
 /// Where a saved request must go: a route (its name in this team, or `team/name`), or
-/// nowhere (`status: 404`, or 405 for a known path with another method).
+/// nowhere (`status: 404`, 405 for a known path with another method, or 400 for a path
+/// the platform's path policy refuses).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteExpectDoc {
     /// The route.
     #[serde(default)]
     pub route: Option<String>,
-    /// 404 or 405.
+    /// 400, 404 or 405.
     #[serde(default)]
     pub status: Option<u16>,
 }

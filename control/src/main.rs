@@ -71,8 +71,9 @@ enum Command {
     Serve {
         /// The config repository.
         repo: PathBuf,
-        /// Version store: a directory (embedded) or a postgres:// URL.
-        #[arg(long)]
+        /// Version store: a directory (embedded) or a postgres:// URL (one with a password
+        /// belongs in POSTERN_STORE, not in the process list).
+        #[arg(long, env = "POSTERN_STORE", hide_env_values = true)]
         store: String,
         /// Admin tokens (JSON list of {name, role, sha256}).
         #[arg(long)]

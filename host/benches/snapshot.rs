@@ -21,7 +21,11 @@ fn snapshot(routes: usize) -> Snapshot {
     for c in 0..300 {
         clusters.insert(
             format!("svc{c}"),
-            Cluster { endpoints: vec![format!("10.0.{}.{}:8080", c / 250, c % 250 + 1)], owner: None },
+            Cluster {
+                endpoints: vec![format!("10.0.{}.{}:8080", c / 250, c % 250 + 1)],
+                owner: None,
+                max_connections: 1024,
+            },
         );
     }
     let mut out = Vec::with_capacity(routes);
@@ -68,7 +72,7 @@ fn snapshot(routes: usize) -> Snapshot {
     )]
     .into_iter()
     .collect();
-    Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans }
+    Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans, paths: Default::default() }
 }
 
 fn bench(c: &mut Criterion) {

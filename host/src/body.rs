@@ -1,8 +1,10 @@
 //! Bodies: requests stream to the backend under a byte-counted limit, responses stream
 //! back unbuffered. Neither allocates per request beyond what hyper does.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -117,11 +119,63 @@ pub fn is_too_large(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// A timer for a body that stops moving: armed when the body goes pending after
+/// progress, so a steadily moving body reads no clock; allocated once, for a body that
+/// ever waits.
+#[derive(Debug)]
+pub struct Stall {
+    after: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl Stall {
+    /// A body may wait at most `after` for its next frame.
+    pub fn new(after: Duration) -> Stall {
+        Stall { after, timer: None, armed: false }
+    }
+
+    /// The body moved.
+    fn progress(&mut self) {
+        self.armed = false;
+    }
+
+    /// The body is pending: whether it has now waited `after` since it last moved.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let deadline = tokio::time::Instant::now() + self.after;
+        let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            timer.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        timer.as_mut().poll(cx).is_ready()
+    }
+}
+
+/// Why a response body stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseBodyError {
+    /// The backend's stream failed.
+    #[error("backend body: {0}")]
+    Upstream(#[from] hyper::Error),
+    /// The backend sent nothing for the body idle timeout.
+    #[error("the backend's body stalled for {} s", .0.as_secs())]
+    Stalled(Duration),
+}
+
 /// A response body: the backend's stream, or a small body the gateway made.
 #[derive(Debug)]
 pub enum ResponseBody {
-    /// Streamed from the backend as it arrives.
-    Upstream(Incoming),
+    /// Streamed from the backend as it arrives, holding the request's place in its
+    /// cluster's connection cap until it ends.
+    Upstream {
+        /// The backend's body.
+        body: Incoming,
+        /// Bounds the wait for each frame.
+        stall: Stall,
+        /// The place in the cluster's cap.
+        permit: Option<crate::upstream::Permit>,
+    },
     /// Made by the gateway (problem+json, admin pages).
     Full(Option<Bytes>),
 }
@@ -140,25 +194,36 @@ impl ResponseBody {
 
 impl Body for ResponseBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = ResponseBodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
-            ResponseBody::Upstream(b) => Pin::new(b).poll_frame(cx),
+            ResponseBody::Upstream { body, stall, permit } => match Pin::new(body).poll_frame(cx) {
+                Poll::Pending if stall.expired(cx) => Poll::Ready(Some(Err(ResponseBodyError::Stalled(stall.after)))),
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(r) => {
+                    stall.progress();
+                    if r.is_none() {
+                        // Ended: the cluster's connection is free again.
+                        *permit = None;
+                    }
+                    Poll::Ready(r.map(|f| f.map_err(ResponseBodyError::from)))
+                }
+            },
             ResponseBody::Full(b) => Poll::Ready(b.take().map(|d| Ok(Frame::data(d)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            ResponseBody::Upstream(b) => b.is_end_stream(),
+            ResponseBody::Upstream { body, .. } => body.is_end_stream(),
             ResponseBody::Full(b) => b.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            ResponseBody::Upstream(b) => b.size_hint(),
+            ResponseBody::Upstream { body, .. } => body.size_hint(),
             ResponseBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64)),
         }
     }

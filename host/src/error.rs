@@ -38,9 +38,16 @@ impl Origin {
 /// Why the gateway answered a request itself instead of relaying the backend's answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    /// The path cannot be routed safely (dot segments).
+    /// The path has no canonical form under the platform's path policy.
     #[error("{0}")]
     InvalidPath(&'static str),
+    /// A filter edited the path into one that is not canonical.
+    #[error("a filter's path edit is refused: {0}")]
+    FilterPath(&'static str),
+    /// The backend answered with something the gateway never relays (an unsolicited
+    /// `101`, another `1xx`).
+    #[error("{0}")]
+    UpstreamProtocol(&'static str),
     /// A malformed request (no host, a bad `Content-Length`, a rewrite that makes no path).
     #[error("{0}")]
     BadRequest(&'static str),
@@ -62,6 +69,9 @@ pub enum ProxyError {
     /// The client's body stream broke off.
     #[error("the request body broke off")]
     BodyBroken(#[source] crate::body::BodyError),
+    /// The route's cluster has as many requests in flight as its connection cap.
+    #[error("the route's cluster is at its connection cap")]
+    UpstreamOverloaded,
     /// The route's backend has no endpoint to send to.
     #[error("the route's cluster has no endpoints")]
     NoEndpoint,
@@ -96,11 +106,13 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout
             | ProxyError::BodyBroken(_) => Origin::Downstream,
-            ProxyError::NoEndpoint | ProxyError::ConnectTimeout(_) | ProxyError::ConnectRefused(_) => {
-                Origin::UpstreamConnect
-            }
+            ProxyError::UpstreamOverloaded
+            | ProxyError::NoEndpoint
+            | ProxyError::ConnectTimeout(_)
+            | ProxyError::ConnectRefused(_) => Origin::UpstreamConnect,
             ProxyError::ResponseTimeout { .. } | ProxyError::UpstreamBroken(_) => Origin::UpstreamSent,
-            ProxyError::Internal(_) => Origin::Internal,
+            ProxyError::UpstreamProtocol(_) => Origin::UpstreamSent,
+            ProxyError::FilterPath(_) | ProxyError::Internal(_) => Origin::Internal,
         }
     }
 

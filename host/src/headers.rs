@@ -29,7 +29,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
             .collect();
         for n in listed {
-            headers.remove(n);
+            // The request's framing and authority are the gateway's to set, not the
+            // client's to remove.
+            if n != http::header::HOST && n != http::header::CONTENT_LENGTH {
+                headers.remove(n);
+            }
         }
     }
     for h in &HOP_BY_HOP {
@@ -37,18 +41,72 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Removes every header a client must never set: `x-auth-*` identity headers and the
-/// gateway's own request id and deadline.
-pub fn strip_client_identity(headers: &mut HeaderMap) {
-    let has_auth = headers.keys().any(|k| k.as_str().starts_with("x-auth-"));
-    if has_auth {
-        let names: Vec<HeaderName> = headers.keys().filter(|k| k.as_str().starts_with("x-auth-")).cloned().collect();
-        for n in names {
-            headers.remove(n);
-        }
+/// Names (folded: see [`fold`]) of headers a backend may trust and a client must never
+/// set: the gateway's own, method and URL overrides, and client-address headers. The
+/// gateway sets its own afresh; the rest are dropped.
+const PROTECTED: [&[u8]; 27] = [
+    b"x-request-id",
+    b"x-deadline-ms",
+    b"x-http-method-override",
+    b"x-http-method",
+    b"x-method-override",
+    b"x-original-method",
+    b"x-original-url",
+    b"x-rewrite-url",
+    b"x-original-uri",
+    b"x-real-ip",
+    b"true-client-ip",
+    b"x-client-ip",
+    b"client-ip",
+    b"cf-connecting-ip",
+    b"fastly-client-ip",
+    b"x-cluster-client-ip",
+    b"x-originating-ip",
+    b"x-forwarded",
+    b"forwarded-for",
+    b"x-forwarded-for",
+    b"x-forwarded-host",
+    b"x-forwarded-proto",
+    b"x-forwarded-port",
+    b"x-forwarded-server",
+    b"x-forwarded-prefix",
+    b"x-forwarded-scheme",
+    b"forwarded",
+];
+
+/// A header name as CGI/WSGI-style servers read it: `_` and `.` are `-` (names are
+/// lowercase already).
+fn fold(b: u8) -> u8 {
+    if b == b'_' || b == b'.' { b'-' } else { b }
+}
+
+fn folds_to(name: &[u8], want: &[u8]) -> bool {
+    name.len() == want.len() && name.iter().zip(want).all(|(&a, &b)| fold(a) == b)
+}
+
+/// Whether a client must not send this header: an identity header (`x-auth-*`) or a
+/// [`PROTECTED`] one, in every spelling that folds to it.
+fn is_protected(name: &str) -> bool {
+    let n = name.as_bytes();
+    if n.len() >= 7 && folds_to(&n[..7], b"x-auth-") {
+        return true;
     }
-    headers.remove(X_REQUEST_ID);
-    headers.remove(X_DEADLINE_MS);
+    PROTECTED.iter().any(|p| folds_to(n, p))
+}
+
+/// Removes every header a client must never set: identity headers (`x-auth-*`), the
+/// gateway's own request id and deadline, method and URL override headers and
+/// client-address headers — each also in the spellings (`_`, `.`) that backends fold to
+/// it. The gateway then sets its own forwarding headers (`x-forwarded-*`, `forwarded`,
+/// `x-real-ip`) from the connection.
+pub fn strip_client_identity(headers: &mut HeaderMap) {
+    if !headers.keys().any(|k| is_protected(k.as_str())) {
+        return;
+    }
+    let names: Vec<HeaderName> = headers.keys().filter(|k| is_protected(k.as_str())).cloned().collect();
+    for n in names {
+        headers.remove(n);
+    }
 }
 
 /// `x-request-id`.
@@ -133,8 +191,23 @@ mod tests {
         h.append("x-auth-scopes", HeaderValue::from_static("all"));
         h.insert("x-request-id", HeaderValue::from_static("mine"));
         h.insert("x-authz", HeaderValue::from_static("kept"));
+        for name in [
+            "x_auth_subject",
+            "x.auth.scopes",
+            "x-auth_tenant",
+            "x-http-method-override",
+            "x_http_method_override",
+            "x-original-url",
+            "x-rewrite-url",
+            "x-real-ip",
+            "true-client-ip",
+            "x_forwarded_for",
+            "x-forwarded-port",
+        ] {
+            h.insert(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_static("forged"));
+        }
         strip_client_identity(&mut h);
-        assert_eq!(h.len(), 1);
+        assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-authz"));
     }
 

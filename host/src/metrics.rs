@@ -83,7 +83,7 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 17] = [
+pub const PROBLEM_CODES: [&str; 19] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -95,6 +95,8 @@ pub const PROBLEM_CODES: [&str; 17] = [
     "bad_request",
     "upstream_unavailable",
     "upstream_timeout",
+    "upstream_protocol_error",
+    "upstream_overloaded",
     "filter_failed",
     "invalid_path",
     "misdirected_request",
@@ -122,6 +124,10 @@ pub struct Metrics {
     pub snapshot_version: AtomicU64,
     /// Open client connections.
     pub connections: AtomicU64,
+    /// Client connections closed at accept: over the listener's or the address's cap.
+    pub connections_refused: AtomicU64,
+    /// Client connections closed by the gateway: no first request in time, or idle.
+    pub connections_timed_out: AtomicU64,
     /// Credential states applied.
     pub credentials_ok: AtomicU64,
     /// Credential states refused.
@@ -235,6 +241,18 @@ impl Metrics {
             ("postern_snapshot_reloads_total", "counter", "Snapshots applied.", &self.reloads_ok),
             ("postern_snapshot_reload_failures_total", "counter", "Snapshots refused.", &self.reloads_failed),
             ("postern_open_connections", "gauge", "Open client connections.", &self.connections),
+            (
+                "postern_connections_refused_total",
+                "counter",
+                "Client connections closed at accept (over a connection cap).",
+                &self.connections_refused,
+            ),
+            (
+                "postern_connections_timed_out_total",
+                "counter",
+                "Client connections closed for sending no request in time or idling.",
+                &self.connections_timed_out,
+            ),
             (
                 "postern_credentials_version",
                 "gauge",

@@ -4,14 +4,13 @@
 //! Nothing here takes a lock, makes a network call other than to the backend, or holds
 //! anything across an `.await` but the request's own state.
 
-use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::header::{CONTENT_LENGTH, HOST};
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::{PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
@@ -19,7 +18,7 @@ use postern_filter_contract::{Context, Flow, Reply, RequestHead, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
 
-use crate::body::{LimitedBody, ResponseBody, UpstreamBody, is_too_large};
+use crate::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
 use crate::error::ProxyError;
 use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
 use crate::metrics::Metrics;
@@ -38,6 +37,8 @@ pub struct Gateway {
     pub auth: Arc<postern_builtin_filters::auth::Authenticator>,
     /// The fleet-wide rate-limit sync, when the node is part of a fleet.
     pub ratesync: Option<Arc<crate::ratesync::RateSync>>,
+    /// How long a backend's response body may send nothing before it is cut.
+    pub body_idle: Duration,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -77,45 +78,7 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
-
-/// Whether a path has a `.` or `..` segment, plain or percent-encoded.
-fn has_dot_segment(path: &str) -> bool {
-    path.split('/').any(|seg| {
-        if seg.len() > 6 || seg.is_empty() {
-            return false;
-        }
-        let b = seg.as_bytes();
-        let mut dots = 0;
-        let mut i = 0;
-        while i < b.len() {
-            if b[i] == b'.' {
-                i += 1;
-            } else if b[i] == b'%' && b.get(i + 1) == Some(&b'2') && matches!(b.get(i + 2), Some(b'e' | b'E')) {
-                i += 3;
-            } else {
-                return false;
-            }
-            dots += 1;
-        }
-        dots == 1 || dots == 2
-    })
-}
-
-/// The request's host, lowercase, without a port.
-fn request_host(parts: &http::request::Parts) -> Option<Cow<'_, str>> {
-    let raw = match parts.uri.authority() {
-        Some(a) => a.host(),
-        None => {
-            let h = parts.headers.get(HOST)?.to_str().ok()?;
-            postern_router::strip_port(h)
-        }
-    };
-    if raw.bytes().any(|b| b.is_ascii_uppercase()) {
-        Some(Cow::Owned(raw.to_ascii_lowercase()))
-    } else {
-        Some(Cow::Borrowed(raw))
-    }
-}
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
 fn rewrite_path(path: &str, query: Option<&str>, rw: &Rewrite) -> Option<PathAndQuery> {
     let mut out = String::with_capacity(path.len() + 16);
@@ -178,7 +141,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
     let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO };
-    let result = forward(&conn, &live, &mut ex, trace, req).await;
+    let result = forward(&conn, &live, &mut ex, trace, req, gw.body_idle).await;
     ex.finish(&gw, result)
 }
 
@@ -258,14 +221,14 @@ async fn forward<'l>(
     ex: &mut Exchange<'l>,
     trace: u128,
     req: Request<Incoming>,
+    body_idle: Duration,
 ) -> Result<Response<ResponseBody>, Ending> {
     let (mut parts, body) = req.into_parts();
-    if has_dot_segment(parts.uri.path()) {
-        return Err(ProxyError::InvalidPath("dot segments are not allowed in the path").into());
-    }
-    let host = request_host(&parts).ok_or(ProxyError::BadRequest("the request has no host"))?;
+    // One canonical request before routing: one authority, one path.
+    crate::canon::path(&mut parts, &live.paths)?;
+    let routed = crate::canon::authority(&parts)?;
     let route: &'l CompiledRoute =
-        match live.router(conn.pool).find(&host, &parts.method, parts.uri.path(), &parts.headers) {
+        match live.router(conn.pool).find(&routed.host, &parts.method, parts.uri.path(), &parts.headers) {
             Match::Found(r) => r,
             Match::NotFound => return Err(ProxyError::RouteNotFound.into()),
             Match::MethodNotAllowed(allowed) => {
@@ -273,7 +236,7 @@ async fn forward<'l>(
                 return Err(ProxyError::MethodNotAllowed(allow).into());
             }
         };
-    drop(host);
+    let host = routed.header;
     ex.route = Some(route);
     let too_large = ProxyError::BodyTooLarge { limit: route.max_body_bytes };
 
@@ -288,6 +251,9 @@ async fn forward<'l>(
 
     headers::strip_hop_by_hop(&mut parts.headers);
     headers::strip_client_identity(&mut parts.headers);
+    // The backend is told the host the request was routed on, whatever the client's
+    // `Connection` listed.
+    parts.headers.insert(HOST, host.clone());
     // The backend: a stable hash of the caller, so one caller sees one version. On public
     // routes the caller is the route's sticky header (read before credentials are dropped:
     // they are never forwarded, and on authenticated routes the auth filter takes them).
@@ -303,6 +269,7 @@ async fn forward<'l>(
     if !route.filters.is_empty() {
         let cx = ex.cx.insert(Context::new(route.id.clone(), ex.rid.clone()));
         run_request_filters(route, &mut parts, cx).await?;
+        crate::canon::check_edited_path(&parts, &live.paths)?;
     }
     let cx = ex.cx.as_ref();
 
@@ -314,14 +281,15 @@ async fn forward<'l>(
             route.split(id.and_then(|id| id.key_id.as_deref().or(id.client_id.as_deref())))
         }
     };
-    let endpoint = upstream.and_then(|u| u.pick()).cloned().ok_or(ProxyError::NoEndpoint)?;
+    let upstream = upstream.ok_or(ProxyError::NoEndpoint)?;
+    let endpoint = upstream.pick().cloned().ok_or(ProxyError::NoEndpoint)?;
+    let permit = upstream.permit().ok_or(ProxyError::UpstreamOverloaded)?;
 
     let pq = match &route.rewrite {
         None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
         Some(rw) => rewrite_path(parts.uri.path(), parts.uri.query(), rw)
             .ok_or(ProxyError::BadRequest("the rewritten path is not valid"))?,
     };
-    let original_authority: Option<Authority> = parts.uri.authority().cloned();
     let mut uri_parts = http::uri::Parts::default();
     uri_parts.scheme = Some(Scheme::HTTP);
     uri_parts.authority = Some(endpoint);
@@ -330,16 +298,10 @@ async fn forward<'l>(
     parts.version = Version::HTTP_11;
 
     let h = &mut parts.headers;
-    if !h.contains_key(HOST) {
-        // HTTP/2 carries the host in :authority; HTTP/1.1 backends need it in Host.
-        if let Some(a) = original_authority.and_then(|a| HeaderValue::from_str(a.as_str()).ok()) {
-            h.insert(HOST, a);
-        }
-    }
-    if let Some(host) = h.get(HOST).cloned() {
-        h.insert(X_FORWARDED_HOST, host);
-    }
+    h.insert(X_FORWARDED_HOST, host.clone());
+    h.insert(HOST, host);
     h.insert(X_FORWARDED_FOR, conn.xff.clone());
+    h.insert(X_REAL_IP, conn.xff.clone());
     h.insert(X_FORWARDED_PROTO, conn.proto.clone());
     h.insert(FORWARDED, conn.forwarded.clone());
     let tp = headers::traceparent(h.get(TRACEPARENT), trace);
@@ -377,6 +339,10 @@ async fn forward<'l>(
     };
 
     let (mut rp, rb) = resp.into_parts();
+    if rp.status.is_informational() {
+        // No upgrade is ever asked for, and interim answers are not relayed.
+        return Err(ProxyError::UpstreamProtocol("the backend answered with an unsolicited 1xx").into());
+    }
     headers::strip_hop_by_hop(&mut rp.headers);
     if let Some(cx) = cx {
         for f in &route.filters {
@@ -385,22 +351,13 @@ async fn forward<'l>(
             }
         }
     }
-    Ok(Response::from_parts(rp, ResponseBody::Upstream(rb)))
+    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle), permit: Some(permit) };
+    Ok(Response::from_parts(rp, body))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dot_segments_are_found_plain_and_encoded() {
-        for p in ["/a/../b", "/a/./b", "/..", "/a/%2e%2E/b", "/a/.%2e", "/a/%2e"] {
-            assert!(has_dot_segment(p), "{p}");
-        }
-        for p in ["/a/b", "/a/.well-known", "/a/...", "/a/b.c", "/"] {
-            assert!(!has_dot_segment(p), "{p}");
-        }
-    }
 
     #[test]
     fn prefix_rewrite_keeps_the_rest() {

@@ -34,6 +34,9 @@ pub fn error(e: &ProxyError) -> Problem {
         ProxyError::ConnectTimeout(_) | ProxyError::ResponseTimeout { .. } => {
             Problem::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", detail)
         }
+        ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail),
+        ProxyError::FilterPath(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "filter_failed", detail),
+        ProxyError::UpstreamProtocol(d) => Problem::new(StatusCode::BAD_GATEWAY, "upstream_protocol_error", *d),
         ProxyError::Internal(d) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", *d),
     }
 }

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -46,6 +46,9 @@ pub struct Upstream {
     pub name: Arc<str>,
     endpoints: Vec<Authority>,
     next: AtomicUsize,
+    /// Requests in flight to the cluster, kept across snapshots.
+    inflight: Arc<AtomicU32>,
+    max_inflight: u32,
 }
 
 impl Upstream {
@@ -57,6 +60,11 @@ impl Upstream {
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
         self.endpoints.get(i)
+    }
+
+    /// A place in the cluster's connection cap, or `None` when it is full.
+    pub fn permit(&self) -> Option<crate::upstream::Permit> {
+        crate::upstream::Permit::take(&self.inflight, self.max_inflight)
     }
 }
 
@@ -139,6 +147,8 @@ pub struct Live {
     pub loaded_at: SystemTime,
     /// Route count.
     pub route_count: usize,
+    /// How request paths are made canonical before routing.
+    pub paths: postern_model::path::PathPolicy,
     public: Router<CompiledRoute>,
     partner: Router<CompiledRoute>,
 }
@@ -164,6 +174,8 @@ impl Live {
 #[derive(Debug)]
 pub struct Builder {
     clients: Mutex<Clients>,
+    /// Requests in flight per cluster name, shared by every snapshot's upstreams.
+    gates: Mutex<HashMap<String, Arc<AtomicU32>>>,
     metrics: Arc<Metrics>,
     node: Node,
     wasm: Option<Arc<postern_wasm::Runtime>>,
@@ -172,6 +184,8 @@ pub struct Builder {
 
 /// Verified access tokens kept per node.
 const TOKEN_CACHE_ENTRIES: usize = 65_536;
+/// ... and the bytes they may weigh (tokens and their verified claims).
+const TOKEN_CACHE_BYTES: u64 = 64 << 20;
 /// Rate-limit buckets kept per node (idle ones beyond this are evicted).
 pub const RATE_BUCKETS: usize = 1 << 20;
 
@@ -199,7 +213,10 @@ fn http_date(unix: i64) -> Option<HeaderValue> {
 /// A node's built-in policy state before any snapshot: a fresh authenticator and a
 /// limiter that enforces whole limits (a fleet node swaps in its own, [`Builder::use_limiter`]).
 fn new_node() -> Node {
-    Node { auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES)), limiter: Arc::new(Limiter::new(RATE_BUCKETS)) }
+    Node {
+        auth: Arc::new(Authenticator::new(TOKEN_CACHE_ENTRIES, TOKEN_CACHE_BYTES)),
+        limiter: Arc::new(Limiter::new(RATE_BUCKETS)),
+    }
 }
 
 impl Builder {
@@ -207,6 +224,7 @@ impl Builder {
     pub fn new(metrics: Arc<Metrics>) -> Builder {
         Builder {
             clients: Mutex::new(Clients::default()),
+            gates: Mutex::default(),
             metrics,
             node: new_node(),
             wasm: None,
@@ -217,7 +235,14 @@ impl Builder {
     /// A builder that also builds Wasm filters, reading their modules by digest from
     /// `modules_dir` (`<hex>.wasm`, as `posternctl compile` writes them).
     pub fn with_wasm(metrics: Arc<Metrics>, runtime: Arc<postern_wasm::Runtime>, modules_dir: PathBuf) -> Builder {
-        Builder { clients: Mutex::new(Clients::default()), metrics, node: new_node(), wasm: Some(runtime), modules_dir }
+        Builder {
+            clients: Mutex::new(Clients::default()),
+            gates: Mutex::default(),
+            metrics,
+            node: new_node(),
+            wasm: Some(runtime),
+            modules_dir,
+        }
     }
 
     /// Replaces the node's rate limiter (before any snapshot is built), e.g. with one in
@@ -269,6 +294,7 @@ impl Builder {
     /// Builds a snapshot; refuses it whole if any route cannot be built.
     pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
         let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
+        let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
         for (name, c) in &snapshot.clusters {
             let mut endpoints = Vec::with_capacity(c.endpoints.len());
             for e in &c.endpoints {
@@ -280,9 +306,16 @@ impl Builder {
             }
             upstreams.insert(
                 name,
-                Arc::new(Upstream { name: Arc::from(name.as_str()), endpoints, next: AtomicUsize::new(0) }),
+                Arc::new(Upstream {
+                    name: Arc::from(name.as_str()),
+                    endpoints,
+                    next: AtomicUsize::new(0),
+                    inflight: gates.entry(name.clone()).or_default().clone(),
+                    max_inflight: c.max_connections.max(1),
+                }),
             );
         }
+        drop(gates);
 
         let mut public = RouterBuilder::new();
         let mut partner = RouterBuilder::new();
@@ -371,6 +404,7 @@ impl Builder {
             hash,
             loaded_at: SystemTime::now(),
             route_count: snapshot.routes.len(),
+            paths: snapshot.paths,
             public: public.build(),
             partner: partner.build(),
         })

@@ -2,6 +2,8 @@
 //! (hyper pools by endpoint inside each), kept across snapshot reloads.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -40,5 +42,27 @@ impl Clients {
                     .build(connector)
             })
             .clone()
+    }
+}
+
+/// A request's place in its cluster's connection cap (requests in flight to a cluster,
+/// each on its own pooled HTTP/1.1 connection); given back on drop.
+#[derive(Debug)]
+pub struct Permit(Arc<AtomicU32>);
+
+impl Permit {
+    /// A place under `max` in `gate`, or `None` when the cluster is at its cap.
+    pub fn take(gate: &Arc<AtomicU32>, max: u32) -> Option<Permit> {
+        if gate.fetch_add(1, Ordering::Relaxed) >= max {
+            gate.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Permit(gate.clone()))
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -201,6 +201,11 @@ pub struct Node {
 impl Node {
     /// Starts `postern` on `snapshot` with ephemeral ports and extra flags.
     pub fn start(snapshot: &Path, extra: &[&str]) -> Node {
+        Node::start_with_env(snapshot, extra, &[])
+    }
+
+    /// [`Node::start`] with environment variables set for the process.
+    pub fn start_with_env(snapshot: &Path, extra: &[&str], env: &[(&str, &str)]) -> Node {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = dir.path().join("ports.json");
         let log = dir.path().join("postern.log");
@@ -210,6 +215,7 @@ impl Node {
             .args(["--public", "127.0.0.1:0", "--partner", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
             .args(["--watch-interval-ms", "100", "--workers", "2"])
             .args(extra)
+            .envs(env.iter().copied())
             .arg("--ports-file")
             .arg(&ports)
             .stdout(Stdio::null())

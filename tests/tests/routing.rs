@@ -143,8 +143,12 @@ async fn routing_table() {
     assert_eq!(r.backend(), "c");
     assert_eq!(get(&n.partner_url("/v1/items"), &[]).await.status, StatusCode::NOT_FOUND);
 
-    // Dot segments never reach a router decision.
+    // Dot segments are resolved, in every encoding, before the router decides; what
+    // backends read differently is refused.
     let r = get(&n.url("/v1/items/%2e%2e/admin"), &[]).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "routed as /v1/admin");
+    assert_eq!(r.json()["code"], "route_not_found");
+    let r = get(&n.url("/v1//items"), &[]).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.json()["code"], "invalid_path");
 }

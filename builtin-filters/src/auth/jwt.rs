@@ -59,9 +59,33 @@ pub struct Cached {
     built_for: u64,
 }
 
-/// Verified tokens, bounded.
+/// The weight of a cached token: its own bytes and what its entry holds (claims,
+/// identity), so the cache is bounded in bytes as well as entries.
+#[derive(Debug, Clone, Copy)]
+struct ByBytes;
+
+impl quick_cache::Weighter<Box<str>, Arc<Cached>> for ByBytes {
+    fn weight(&self, token: &Box<str>, c: &Arc<Cached>) -> u64 {
+        let v = &c.verified;
+        let id = &c.identity;
+        let held = token.len()
+            + v.jti.len()
+            + v.sub.len()
+            + v.client_id.len()
+            + v.kid.len()
+            + v.subject.len()
+            + v.client.len()
+            + v.scopes.len()
+            + id.tenant.as_ref().map_or(0, |t| t.len())
+            + id.plan.as_ref().map_or(0, |p| p.len());
+        // Fixed parts of an entry (the Arcs, the records, the map slot).
+        (held + 320) as u64
+    }
+}
+
+/// Verified tokens, bounded in entries and in bytes.
 pub struct TokenCache {
-    cache: quick_cache::sync::Cache<Box<str>, Arc<Cached>>,
+    cache: quick_cache::sync::Cache<Box<str>, Arc<Cached>, ByBytes>,
 }
 
 impl std::fmt::Debug for TokenCache {
@@ -71,9 +95,15 @@ impl std::fmt::Debug for TokenCache {
 }
 
 impl TokenCache {
-    /// A cache of up to `capacity` tokens.
-    pub fn new(capacity: usize) -> TokenCache {
-        TokenCache { cache: quick_cache::sync::Cache::new(capacity.max(16)) }
+    /// A cache of up to `capacity` tokens and `bytes` bytes (tokens and what their
+    /// entries hold), whichever is reached first.
+    pub fn new(capacity: usize, bytes: u64) -> TokenCache {
+        TokenCache { cache: quick_cache::sync::Cache::with_weighter(capacity.max(16), bytes.max(1 << 16), ByBytes) }
+    }
+
+    /// The bytes the cached tokens weigh.
+    pub fn weight(&self) -> u64 {
+        self.cache.weight()
     }
 
     /// Cached tokens.
@@ -130,8 +160,9 @@ struct Claims {
     scope: String,
     jti: String,
     exp: u64,
-    #[serde(default)]
-    iat: Option<u64>,
+    /// Required: a user's or app's deny entry covers tokens issued before it, which only
+    /// a token's `iat` can answer.
+    iat: u64,
 }
 
 fn is_b64url(part: &[u8]) -> bool {
@@ -210,19 +241,11 @@ pub fn verify(store: &CredentialStore, token: &str, now: u64) -> Result<Verified
     }
     // Lifetime: not issued in the future, not longer-lived than the platform allows (which
     // is also how long user and app deny entries live).
-    match c.iat {
-        Some(iat) => {
-            if iat > now.saturating_add(limits.leeway) {
-                return Err(Reason::NotYetValid);
-            }
-            if c.exp.saturating_sub(iat) > limits.max_lifetime {
-                return Err(Reason::TooLongLived);
-            }
-        }
-        None if c.exp > now.saturating_add(limits.max_lifetime).saturating_add(limits.leeway) => {
-            return Err(Reason::TooLongLived);
-        }
-        None => {}
+    if c.iat > now.saturating_add(limits.leeway) {
+        return Err(Reason::NotYetValid);
+    }
+    if c.exp.saturating_sub(c.iat) > limits.max_lifetime {
+        return Err(Reason::TooLongLived);
     }
     if c.jti.is_empty() || c.jti.len() > 256 {
         return Err(Reason::BadClaims);
@@ -234,7 +257,7 @@ pub fn verify(store: &CredentialStore, token: &str, now: u64) -> Result<Verified
         jti: c.jti.into(),
         sub: c.sub.into(),
         client_id: c.client_id.into(),
-        iat: c.iat,
+        iat: Some(c.iat),
         exp: c.exp,
         kid: kid.into(),
         fingerprint: key.fingerprint,
@@ -280,17 +303,14 @@ pub fn authenticate(
     if token.len() > store.jwt.max_token_bytes {
         return Err(Reason::Oversized);
     }
-    if let Some(hit) = cache.cache.get(token) {
+    if let Some(hit) = cache.cache.get(token)
+        && hit.built_for == store.version
+    {
         still_valid(&hit.verified, store, now)?;
-        if hit.built_for == store.version {
-            return Ok(hit.identity.clone());
-        }
-        // The credential state changed (an app's plan, say): remake the identity.
-        let fresh = Arc::new(identity(&hit.verified, store));
-        let entry = Cached { verified: hit.verified.clone(), identity: fresh.clone(), built_for: store.version };
-        cache.cache.insert(Box::from(token), Arc::new(entry));
-        return Ok(fresh);
+        return Ok(hit.identity.clone());
     }
+    // Not cached, or cached under another credential state (audiences, lifetime limits,
+    // keys and apps may all have changed): verified whole again.
     let verified = verify(store, token, now)?;
     still_valid(&verified, store, now)?;
     let id = Arc::new(identity(&verified, store));

@@ -175,11 +175,12 @@ pub struct Authenticator {
 }
 
 impl Authenticator {
-    /// No credentials yet, and a token cache of `cache_capacity` entries.
-    pub fn new(cache_capacity: usize) -> Authenticator {
+    /// No credentials yet, and a token cache of `cache_capacity` entries and at most
+    /// `cache_bytes` bytes.
+    pub fn new(cache_capacity: usize, cache_bytes: u64) -> Authenticator {
         Authenticator {
             credentials: ArcSwap::from_pointee(CredentialStore::empty()),
-            tokens: jwt::TokenCache::new(cache_capacity),
+            tokens: jwt::TokenCache::new(cache_capacity, cache_bytes),
             stats: AuthStats::default(),
         }
     }

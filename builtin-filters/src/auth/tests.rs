@@ -69,7 +69,7 @@ impl Fixture {
             api_key("k-1", &key, "partner", &["orders:read", "orders:write"]),
             api_key("k-free", &free_key, "free", &["orders:read"]),
         ];
-        let auth = Arc::new(Authenticator::new(1024));
+        let auth = Arc::new(Authenticator::new(1024, 1 << 20));
         let f = Fixture { auth, creds, key, free_key };
         f.apply(1);
         f
@@ -310,6 +310,7 @@ fn every_bad_token_class_is_a_401_with_the_same_shape() {
         ("no scope", es256(&without("scope")), Reason::BadClaims),
         ("no jti", es256(&without("jti")), Reason::BadClaims),
         ("no exp", es256(&without("exp")), Reason::BadClaims),
+        ("no iat (a deny entry could not tell its age)", es256(&without("iat")), Reason::BadClaims),
         ("exp as a string", es256(&with("exp", json!("tomorrow"))), Reason::BadClaims),
         ("sub not a string", es256(&with("sub", json!(42))), Reason::BadClaims),
         ("sub with a newline", es256(&with("sub", json!("alice\nx-auth-plan: gold"))), Reason::BadClaims),
@@ -505,6 +506,39 @@ fn revocation_applies_to_cached_tokens() {
         jwt::authenticate(&f.auth.tokens, &f.auth.credentials.load(), &token, now()).err(),
         Some(Reason::UnknownKid)
     );
+}
+
+#[test]
+fn a_cached_token_is_verified_again_under_new_settings() {
+    let mut f = Fixture::new();
+    let token = es256(&claims("carol"));
+    let store = || f.auth.credentials.load_full();
+    assert!(jwt::authenticate(&f.auth.tokens, &store(), &token, now()).is_ok());
+    // The platform stops accepting this audience: the cached token is refused too.
+    f.creds.jwt.audiences = vec!["another-api".into()];
+    f.apply(2);
+    assert_eq!(jwt::authenticate(&f.auth.tokens, &store(), &token, now()).err(), Some(Reason::WrongAudience));
+    // ... and a shorter lifetime limit applies to tokens verified under the longer one.
+    f.creds.jwt.audiences = vec![AUD.into()];
+    f.apply(3);
+    assert!(jwt::authenticate(&f.auth.tokens, &store(), &token, now()).is_ok());
+    f.creds.jwt.max_lifetime_s = 600;
+    f.apply(4);
+    assert_eq!(jwt::authenticate(&f.auth.tokens, &store(), &token, now()).err(), Some(Reason::TooLongLived));
+}
+
+#[test]
+fn the_token_cache_is_bounded_in_bytes() {
+    let f = Fixture::new();
+    let cache = jwt::TokenCache::new(100_000, 1 << 16);
+    let store = f.auth.credentials.load_full();
+    for i in 0..2000 {
+        let mut c = claims(&format!("user-{i}"));
+        c["jti"] = json!(format!("{i}-{}", "j".repeat(200)));
+        assert!(jwt::authenticate(&cache, &store, &es256(&c), now()).is_ok());
+    }
+    assert!(cache.weight() <= 1 << 16, "{} bytes", cache.weight());
+    assert!(cache.len() < 2000, "{} tokens", cache.len());
 }
 
 #[test]

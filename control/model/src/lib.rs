@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 pub mod apikey;
 pub mod credentials;
 pub mod disk;
+pub mod path;
 pub mod protocol;
 pub mod report;
 pub mod wasm;
@@ -97,6 +98,22 @@ impl SnapshotFile {
     }
 }
 
+/// A URL fit for a log line: a password in its user information is replaced by `***`
+/// (`redis://:secret@host:6379` is `redis://:***@host:6379`).
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let hidden = if userinfo.contains(':') { format!("{user}:***") } else { "***".to_owned() };
+            format!("{scheme}://{hidden}@{host}{tail}")
+        }
+        None => url.to_owned(),
+    }
+}
+
 /// Everything a node serves from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -110,6 +127,9 @@ pub struct Snapshot {
     /// Plans by name: which API products each includes.
     #[serde(default)]
     pub plans: BTreeMap<String, Plan>,
+    /// How request paths are made canonical before routing (`platform/gateway.yaml`).
+    #[serde(default)]
+    pub paths: path::PathPolicy,
 }
 
 /// A plan: the API products its callers may use.
@@ -182,6 +202,19 @@ pub struct Cluster {
     /// Team that owns the cluster (platform-owned if `None`).
     #[serde(default)]
     pub owner: Option<String>,
+    /// Requests in flight to the cluster at most, each on its own pooled connection; a
+    /// request over the cap is refused with 503 `upstream_overloaded`.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+}
+
+/// [`Cluster::max_connections`] when a cluster does not set it.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
+/// The platform's ceiling on [`Cluster::max_connections`].
+pub const MAX_CONNECTIONS_LIMIT: u32 = 65_536;
+
+fn default_max_connections() -> u32 {
+    DEFAULT_MAX_CONNECTIONS
 }
 
 /// Listener pool: each pool has its own listener, so one pool's spike never reaches the other.
@@ -335,8 +368,23 @@ pub struct Deprecation {
 mod tests {
     use super::*;
 
+    #[test]
+    fn urls_in_logs_hide_their_passwords() {
+        assert_eq!(redact_url("redis://:s3cret@127.0.0.1:6379/0"), "redis://:***@127.0.0.1:6379/0");
+        assert_eq!(redact_url("postgres://app:pw@db/x?sslmode=require"), "postgres://app:***@db/x?sslmode=require");
+        assert_eq!(redact_url("redis://tokenonly@h"), "redis://***@h");
+        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
+
     fn sample() -> Snapshot {
-        Snapshot { schema: SCHEMA_VERSION, clusters: BTreeMap::new(), routes: Vec::new(), plans: BTreeMap::new() }
+        Snapshot {
+            schema: SCHEMA_VERSION,
+            clusters: BTreeMap::new(),
+            routes: Vec::new(),
+            plans: BTreeMap::new(),
+            paths: Default::default(),
+        }
     }
 
     #[test]

@@ -613,6 +613,8 @@ pub(crate) mod tests {
         assert_eq!(c.result.unwrap_err(), Outcome::Deadline);
         assert!(c.took < Duration::from_millis(600), "{:?}", c.took);
         assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1);
-        assert_eq!(counter(&b.stats, "calls"), Some(1));
+        // Started once, never again (on two loaded cores the idle pool may not have got
+        // the CPU to start it at all before the deadline).
+        assert!(matches!(counter(&b.stats, "calls"), None | Some(1)), "{:?}", counter(&b.stats, "calls"));
     }
 }

@@ -1,0 +1,374 @@
+//! Hostile input to a real node, and what the backend received: one canonical path, one
+//! authority, strict HTTP/1 framing, headers a backend might trust, bounded connections,
+//! and no secrets in the logs (docs/security.md lists each class and its test).
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use postern_e2e::{Echo, Node, Repo, get, platform, raw};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const ROUTES: &str = r#"
+routes:
+  - name: public
+    public: true
+    match: { path: { value: /public, type: PathPrefix } }
+    backendRefs: [{ name: e }]
+    timeouts: { connect: 1s, response: 5s }
+  - name: admin
+    match: { path: { value: /admin, type: PathPrefix } }
+    backendRefs: [{ name: e }]
+    timeouts: { connect: 1s, response: 5s }
+    auth: { methods: [apiKey], product: internal }
+  - name: host
+    public: true
+    hostnames: [api.example.com]
+    match: { path: { value: /host } }
+    backendRefs: [{ name: e }]
+    timeouts: { connect: 1s, response: 5s }
+"#;
+
+struct Fixture {
+    node: Node,
+    echo: Echo,
+    _repo: Repo,
+}
+
+fn fixture(gateway: Option<&str>, routes_extra: &str, clusters: &[(&str, &str)], args: &[&str]) -> Fixture {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    let mut all = vec![("e", echo.addr())];
+    all.extend(clusters.iter().map(|(n, a)| (*n, (*a).to_owned())));
+    let all: Vec<(&str, &str)> = all.iter().map(|(n, a)| (*n, a.as_str())).collect();
+    platform(&repo, &all);
+    repo.write("platform/plans.yaml", "scopes: []\nproducts: [internal]\nplans:\n  p: { products: [internal] }\n");
+    if let Some(g) = gateway {
+        repo.write("platform/gateway.yaml", g);
+    }
+    repo.write("teams/t/routes.yaml", &format!("{ROUTES}{routes_extra}"));
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    Fixture { node: Node::start(&snap, args), echo, _repo: repo }
+}
+
+/// Sends one raw HTTP/1.1 request and returns the whole answer (the node closes or the
+/// timeout passes).
+async fn raw_req(port: u16, req: &str) -> String {
+    raw(port, req.as_bytes(), Duration::from_secs(2)).await
+}
+
+fn status_of(answer: &str) -> u16 {
+    answer.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+fn body_json(answer: &str) -> Value {
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or(Value::Null)
+}
+
+fn echoed<'a>(v: &'a Value, name: &str) -> Vec<&'a str> {
+    v["headers"]
+        .as_array()
+        .map(|a| a.iter().filter(|h| h[0] == name).filter_map(|h| h[1].as_str()).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_canonical_path_is_routed_and_forwarded() {
+    let f = fixture(None, "", &[], &[]);
+    let port = f.node.public;
+    let get_path = |p: &str| format!("GET {p} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+
+    // A public neighbour's prefix cannot carry a request to the authenticated backend:
+    // every spelling of `..` is resolved first, so the request is routed to /admin and
+    // refused there without credentials.
+    let before = f.echo.count().await;
+    for p in ["/public/../admin", "/public/%2e%2e/admin", "/public/.%2E/admin", "/%61dmin", "/public/./../admin/x"] {
+        let a = raw_req(port, &get_path(p)).await;
+        assert_eq!(status_of(&a), 401, "{p} -> {a}");
+    }
+    assert_eq!(f.echo.count().await, before, "the authenticated backend was reached without credentials");
+
+    // What is ambiguous between backends is refused by default.
+    for p in ["/public/..;/admin", "/public;x/y", "/public//admin", "/public/a%2Fb", "/public/a%5cb", "/public/%zz"] {
+        let a = raw_req(port, &get_path(p)).await;
+        assert_eq!(status_of(&a), 400, "{p} -> {a}");
+        assert_eq!(body_json(&a)["code"], "invalid_path", "{p} -> {a}");
+    }
+    let a = raw_req(port, "GET /public\\..\\admin HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+    assert_eq!(status_of(&a), 400, "{a}");
+    assert_eq!(f.echo.count().await, before);
+
+    // The backend receives exactly the canonical path (the query untouched).
+    let a = raw_req(port, &get_path("/public/%74est/%7e/%3b/caf%c3%a9?q=%2e%2E")).await;
+    assert_eq!(status_of(&a), 200, "{a}");
+    let v = body_json(&a);
+    assert_eq!(v["path"], "/public/test/~/%3B/caf%C3%A9");
+    assert_eq!(v["query"], "q=%2e%2E");
+    let a = raw_req(port, &get_path("/public/a/b/../c/.")).await;
+    assert_eq!(body_json(&a)["path"], "/public/a/c/");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_platform_may_choose_to_normalise_what_is_ambiguous() {
+    let gateway = "paths:\n  encodedSlash: keep\n  backslash: slash\n  semicolon: strip\n  emptySegments: merge\n";
+    let f = fixture(Some(gateway), "", &[], &[]);
+    let port = f.node.public;
+    let path_of = |a: &str| body_json(a)["path"].as_str().unwrap_or_default().to_owned();
+    let ask = |p: &str| format!("GET {p} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    assert_eq!(path_of(&raw_req(port, &ask("/public//a///b")).await), "/public/a/b");
+    assert_eq!(path_of(&raw_req(port, &ask("/public/a;jsessionid=1/b")).await), "/public/a/b");
+    assert_eq!(path_of(&raw_req(port, &ask("/public/a%2fb")).await), "/public/a%2Fb");
+    assert_eq!(path_of(&raw_req(port, &ask("/public\\a")).await), "/public/a");
+    // Tomcat's `..;` is `..` once stripped, so it is resolved before routing.
+    let before = f.echo.count().await;
+    assert_eq!(status_of(&raw_req(port, &ask("/public/..;/admin")).await), 401);
+    assert_eq!(f.echo.count().await, before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_authority_is_routed_and_sent() {
+    let f = fixture(None, "", &[], &[]);
+    let port = f.node.public;
+    let before = f.echo.count().await;
+    for (req, why) in [
+        ("GET /public HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n", "two Host headers"),
+        ("GET http://api.example.com/host HTTP/1.1\r\nhost: evil.example\r\n\r\n", "target and Host disagree"),
+        ("GET /public HTTP/1.1\r\nhost: a b\r\n\r\n", "a Host that is no host"),
+        ("GET /public HTTP/1.1\r\nhost: user@api.example.com\r\n\r\n", "user information"),
+        ("GET /public HTTP/1.1\r\n\r\n", "no Host"),
+    ] {
+        let a = raw_req(port, req).await;
+        assert_eq!(status_of(&a), 400, "{why}: {a}");
+    }
+    assert_eq!(f.echo.count().await, before);
+
+    // Case and one trailing dot do not change the host; the backend is told the routed
+    // host (with the client's port), and `Connection: host` cannot remove it.
+    let a = raw_req(port, "GET /host HTTP/1.1\r\nhost: API.Example.COM.:8443\r\nconnection: close, host\r\n\r\n").await;
+    assert_eq!(status_of(&a), 200, "{a}");
+    let v = body_json(&a);
+    assert_eq!(echoed(&v, "host"), ["api.example.com:8443"]);
+    assert_eq!(echoed(&v, "x-forwarded-host"), ["api.example.com:8443"]);
+    // An absolute-form target that agrees with Host routes on it.
+    let a =
+        raw_req(port, "GET http://api.example.com/host HTTP/1.1\r\nhost: api.example.com\r\nconnection: close\r\n\r\n")
+            .await;
+    assert_eq!(status_of(&a), 200, "{a}");
+    assert_eq!(echoed(&body_json(&a), "host"), ["api.example.com"]);
+}
+
+/// A backend that answers every request with `answer` and closes.
+async fn fixed_backend(answer: &'static str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(answer.as_bytes()).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_framing_is_strict() {
+    let upgrader =
+        fixed_backend("HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n").await;
+    let extra = "  - name: upgrader\n    public: true\n    match: { path: { value: /upgrader } }\n    backendRefs: [{ name: up }]\n    timeouts: { connect: 1s, response: 2s }\n";
+    let f = fixture(None, extra, &[("up", &upgrader)], &[]);
+    let port = f.node.public;
+    let before = f.echo.count().await;
+
+    // Content-Length with Transfer-Encoding, in either order: 400, and the connection
+    // closes (the smuggled request after it is never read).
+    for req in [
+        "POST /public HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\nGET /public/smuggled HTTP/1.1\r\nhost: x\r\n\r\n",
+        "POST /public HTTP/1.1\r\nhost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 40\r\n\r\n0\r\n\r\nGET /public/smuggled HTTP/1.1\r\nhost: x\r\n\r\n",
+    ] {
+        let a = raw_req(port, req).await;
+        assert!(a.starts_with("HTTP/1.1 400"), "{a}");
+        assert_eq!(a.matches("HTTP/1.1").count(), 1, "one answer, then close: {a}");
+    }
+    // Bare LF line endings are refused.
+    let a = raw_req(port, "GET /public HTTP/1.1\nhost: x\n\n").await;
+    assert!(a.starts_with("HTTP/1.1 400"), "{a}");
+    assert_eq!(f.echo.count().await, before, "a refused request reached the backend");
+
+    // Good requests pipelined on one connection, with fixed and chunked bodies, all pass.
+    let a = raw_req(
+        port,
+        "POST /public/1 HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhelloPOST /public/2 HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\nGET /public/3 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(a.matches("HTTP/1.1 200").count(), 3, "{a}");
+
+    // A backend's unsolicited 101 is a 502, never relayed.
+    let r = get(&f.node.url("/upgrader"), &[]).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.json()["code"], "upstream_protocol_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_a_backend_might_trust_are_never_the_clients() {
+    let f = fixture(None, "", &[], &[]);
+    let a = raw_req(
+        f.node.public,
+        "GET /public HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-http-method-override: DELETE\r\nx-original-url: /admin\r\nx-rewrite-url: /admin\r\nx-real-ip: 10.0.0.1\r\ntrue-client-ip: 10.0.0.2\r\nx-forwarded-for: 10.0.0.3\r\nx_forwarded_for: 10.0.0.4\r\nx-auth-subject: admin\r\nx_auth_subject: admin\r\nx.auth.scopes: all\r\nX-Auth_Tenant: acme\r\nx-request-id: mine\r\nx-keep: yes\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&a), 200, "{a}");
+    let v = body_json(&a);
+    let names: Vec<&str> = v["headers"].as_array().unwrap().iter().filter_map(|h| h[0].as_str()).collect();
+    for gone in [
+        "x-http-method-override",
+        "x-original-url",
+        "x-rewrite-url",
+        "true-client-ip",
+        "x_forwarded_for",
+        "x-auth-subject",
+        "x_auth_subject",
+        "x.auth.scopes",
+        "x-auth_tenant",
+    ] {
+        assert!(!names.contains(&gone), "{gone} reached the backend: {names:?}");
+    }
+    assert_eq!(echoed(&v, "x-real-ip"), ["127.0.0.1"]);
+    assert_eq!(echoed(&v, "x-forwarded-for"), ["127.0.0.1"]);
+    assert_ne!(echoed(&v, "x-request-id"), ["mine"]);
+    assert_eq!(echoed(&v, "x-keep"), ["yes"]);
+}
+
+/// Whether the node closes a connection on which nothing is sent, within `within`.
+async fn closed_within(port: u16, hello: &[u8], within: Duration) -> bool {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(hello).await.unwrap();
+    let mut buf = Vec::new();
+    matches!(tokio::time::timeout(within, s.read_to_end(&mut buf)).await, Ok(Ok(_)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_bounded() {
+    let extra = "  - name: capped\n    public: true\n    match: { path: { value: /capped } }\n    backendRefs: [{ name: one }]\n    timeouts: { connect: 1s, response: 5s }\n";
+    let echo2 = Echo::start("one");
+    let f = fixture(
+        None,
+        extra,
+        &[("one", &echo2.addr())],
+        &["--max-connections-per-ip", "4", "--handshake-timeout-s", "1", "--idle-timeout-s", "2"],
+    );
+    let port = f.node.public;
+
+    // A connection that sends nothing (no sniff, no head) is closed after the handshake
+    // timeout; one that sent half a head is closed by the header timeout's bound too.
+    let t = Instant::now();
+    assert!(closed_within(port, b"", Duration::from_secs(4)).await, "a silent connection stayed open");
+    assert!(t.elapsed() >= Duration::from_millis(900), "closed before the handshake timeout");
+
+    // Per source address: four held connections, the fifth is closed at accept.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(closed_within(port, b"", Duration::from_millis(500)).await, "the fifth connection was accepted");
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // An HTTP/2 connection idle after its request is closed (GOAWAY) after the idle timeout.
+    let c = postern_e2e::h2c_client();
+    let r =
+        postern_e2e::send_with(&c, http::Method::GET, &f.node.url("/public"), &[], bytes::Bytes::new()).await.unwrap();
+    assert_eq!(r.status, StatusCode::OK);
+    let m = get(&f.node.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    let timed_out = |t: &str| {
+        t.lines()
+            .find(|l| l.starts_with("postern_connections_timed_out_total "))
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = timed_out(&text);
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let m = get(&f.node.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(&m.body).into_owned();
+    assert!(timed_out(&text) > before, "the idle HTTP/2 connection was not closed:\n{text}");
+    assert!(text.contains("postern_connections_refused_total 1"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_holds_at_most_its_connection_cap() {
+    let slow = Echo::start("slow");
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    repo.write(
+        "platform/clusters.yaml",
+        &format!(
+            "clusters:\n  e:\n    endpoints: [\"{}\"]\n  slow:\n    endpoints: [\"{}\"]\n    maxConnections: 1\n",
+            echo.addr(),
+            slow.addr()
+        ),
+    );
+    repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:\n  - name: slow\n    public: true\n    match: { path: { value: /slow } }\n    backendRefs: [{ name: slow }]\n    timeouts: { connect: 1s, response: 5s }\n",
+    );
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let node = Node::start(&snap, &[]);
+    let url = node.url("/slow?delay_ms=1500");
+    let first = tokio::spawn(async move { get(&url, &[]).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = get(&node.url("/slow"), &[]).await;
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", second.body);
+    assert_eq!(second.json()["code"], "upstream_overloaded");
+    assert_eq!(first.await.unwrap().status, StatusCode::OK);
+    // The place is given back when the response ends.
+    assert_eq!(get(&node.url("/slow"), &[]).await.status, StatusCode::OK);
+    // A cap over the platform's ceiling is refused at compile.
+    repo.write(
+        "platform/clusters.yaml",
+        &format!("clusters:\n  slow:\n    endpoints: [\"{}\"]\n    maxConnections: 0\n", slow.addr()),
+    );
+    let out = repo.compile(&repo.path().join("bad.json"));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("maxConnections"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(echo);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_stay_out_of_logs_and_process_lists() {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write("teams/t/routes.yaml", "routes:\n  - name: p\n    public: true\n    match: { path: { value: /p } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n");
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, "node-token-very-secret\n").unwrap();
+    let node = postern_e2e::Node::start_with_env(
+        &snap,
+        &["--control-token-file", token_file.to_str().unwrap(), "--ratelimit-sync-ms", "50"],
+        &[("POSTERN_RATELIMIT_REDIS", "redis://:redis-password-very-secret@127.0.0.1:6379")],
+    );
+    assert_eq!(get(&node.url("/p"), &[]).await.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let log = node.log();
+    assert!(log.contains("redis://:***@127.0.0.1:6379"), "{log}");
+    assert!(!log.contains("very-secret"), "{log}");
+    let cmdline = std::fs::read_to_string(format!("/proc/{}/cmdline", node.proc.pid())).unwrap();
+    assert!(!cmdline.contains("very-secret"), "{cmdline}");
+}
