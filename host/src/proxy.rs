@@ -165,6 +165,16 @@ impl Exchange<'_> {
                 respond::problem(&p, &self.rid)
             }
         };
+        if matches!(resp.status().as_u16(), 204 | 304) {
+            // Statuses that forbid a body go out without one and without a length, on
+            // every protocol, whoever made them (a filter's reply, the backend).
+            let h = resp.headers_mut();
+            h.remove(CONTENT_LENGTH);
+            h.remove(http::header::TRANSFER_ENCODING);
+            if let ResponseBody::Full(b) = resp.body_mut() {
+                *b = None;
+            }
+        }
         let h = resp.headers_mut();
         if let Some(route) = self.route {
             for (k, v) in &route.response_headers {
@@ -347,7 +357,7 @@ async fn forward<'l>(
     if let Some(cx) = cx {
         for f in &route.filters {
             if let ResponseFlow::Wait(fut) = f.on_response(&mut rp, cx) {
-                fut.await;
+                fut.await.map_err(Ending::Reply)?;
             }
         }
     }

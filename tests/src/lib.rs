@@ -459,7 +459,8 @@ fn copy_dir(src: &Path, dst: &Path) {
 /// A node with every hostile test filter on its own fail-closed route (`/h/<name>`), and
 /// again on `/hammer/<name>` with a quarantine threshold no test reaches (so it runs on
 /// every call), plus `/state` (keeps-state), `/good` (well-behaved, response phase too),
-/// `/open/trap` (fail-open) and `/plain` (no filter), all to one echo backend.
+/// `/open/trap` (fail-open), `/resp/closed` and `/resp/open` (a trap in the response
+/// phase, fail-closed and fail-open) and `/plain` (no filter), all to one echo backend.
 pub mod wasm_fixture {
     use super::{Echo, Node, Repo, add_filter, filter_wasm, platform};
 
@@ -511,6 +512,14 @@ pub mod wasm_fixture {
         routes.push_str(&route("state", "/state", "keeps-state", ""));
         routes.push_str(&route("good", "/good", "well-behaved", ", responsePhase: true"));
         routes.push_str(&route("open-trap", "/open/trap", "trap", ", failure: fail_open"));
+        // The response phase under each failure policy: the filter traps only there.
+        routes.push_str(&route("resp-closed", "/resp/closed", "trap", ", config: response, responsePhase: true"));
+        routes.push_str(&route(
+            "resp-open",
+            "/resp/open",
+            "trap",
+            ", config: response, responsePhase: true, failure: fail_open",
+        ));
         routes.push_str(
             "  - name: plain\n    public: true\n    match: { path: { value: /plain } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
         );

@@ -57,6 +57,16 @@ async fn hostile_filters_fail_closed_with_defined_outcomes() {
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.backend(), "e");
 
+    // A failing response phase follows the attachment's policy too: fail-closed answers
+    // 503 instead of the backend's response unedited; fail-open lets it through.
+    let r = get(&f.node.url("/resp/closed"), &[]).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    assert_eq!(r.json()["code"], "filter_failed");
+    assert_eq!(r.json()["detail"], "filter trap failed: trap");
+    let r = get(&f.node.url("/resp/open"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.backend(), "e");
+
     // A well-behaved filter edits the request and the response.
     let r = get(&f.node.url("/good"), &[]).await;
     assert_eq!(r.status, StatusCode::OK);

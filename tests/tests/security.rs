@@ -372,3 +372,29 @@ async fn secrets_stay_out_of_logs_and_process_lists() {
     let cmdline = std::fs::read_to_string(format!("/proc/{}/cmdline", node.proc.pid())).unwrap();
     assert!(!cmdline.contains("very-secret"), "{cmdline}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statuses_that_forbid_a_body_go_out_without_one() {
+    let no_content =
+        fixed_backend("HTTP/1.1 204 No Content\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello").await;
+    let not_modified =
+        fixed_backend("HTTP/1.1 304 Not Modified\r\ncontent-length: 10\r\netag: \"x\"\r\nconnection: close\r\n\r\n")
+            .await;
+    let route = |name: &str, cluster: &str| {
+        format!(
+            "  - name: {name}\n    public: true\n    match: {{ path: {{ value: /{name} }} }}\n    backendRefs: [{{ name: {cluster} }}]\n    timeouts: {{ connect: 1s, response: 2s }}\n"
+        )
+    };
+    let extra = format!("{}{}", route("nc", "nc"), route("nm", "nm"));
+    let f = fixture(None, &extra, &[("nc", &no_content), ("nm", &not_modified)], &[]);
+    for path in ["/nc", "/nm"] {
+        let a = raw_req(f.node.public, &format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")).await;
+        let (head, body) = a.split_once("\r\n\r\n").unwrap_or((&a, ""));
+        assert!(!head.to_ascii_lowercase().contains("content-length"), "{path}: {a}");
+        assert!(body.is_empty(), "{path}: {a}");
+        let c = postern_e2e::h2c_client();
+        let r =
+            postern_e2e::send_with(&c, http::Method::GET, &f.node.url(path), &[], bytes::Bytes::new()).await.unwrap();
+        assert!(r.header("content-length").is_none() && r.body.is_empty(), "{path} over HTTP/2: {r:?}");
+    }
+}

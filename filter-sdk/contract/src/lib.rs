@@ -185,8 +185,9 @@ impl std::fmt::Debug for Flow<'_> {
 pub enum ResponseFlow<'a> {
     /// Done (any changes are already made).
     Done,
-    /// Await this future, which makes its changes.
-    Wait(Pin<Box<dyn Future<Output = ()> + Send + 'a>>),
+    /// Await this future, which makes its changes; an `Err` replaces the backend's
+    /// response with this answer (a fail-closed filter whose response phase failed).
+    Wait(Pin<Box<dyn Future<Output = Result<(), Reply>> + Send + 'a>>),
 }
 
 impl std::fmt::Debug for ResponseFlow<'_> {

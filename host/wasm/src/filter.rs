@@ -195,9 +195,9 @@ impl WasmFilter {
         }
     }
 
-    async fn response(&self, resp: &mut ResponseHead, cx: &Context) {
+    async fn response(&self, resp: &mut ResponseHead, cx: &Context) -> Result<(), Reply> {
         if self.quarantined() {
-            return;
+            return Ok(());
         }
         let call = {
             let headers = fields(&resp.headers);
@@ -214,9 +214,17 @@ impl WasmFilter {
             Ok(())
         });
         match result {
-            Ok(()) => self.binding.stats.record(Outcome::Ok, fuel, took),
-            // The response is already on its way; a failing response phase leaves it as it was.
-            Err(kind) => self.failed(kind, fuel, took),
+            Ok(()) => {
+                self.binding.stats.record(Outcome::Ok, fuel, took);
+                Ok(())
+            }
+            // Under the attachment's failure policy, as in the request phase: fail-closed
+            // answers 503 instead of the backend's response unedited.
+            Err(kind) => {
+                self.failed(kind, fuel, took);
+                tracing::debug!(filter = &*self.binding.tag, outcome = kind.as_str(), "response phase failed");
+                self.fail(kind)
+            }
         }
     }
 }
