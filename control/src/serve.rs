@@ -129,6 +129,10 @@ fn error(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
     json(status, &serde_json::json!({"error": msg.into()}))
 }
 
+/// Open connections the control plane's HTTP server holds at most (two long polls per
+/// node, plus operators).
+const MAX_CONNECTIONS: usize = 4096;
+
 /// Runs the control plane until the process is stopped.
 pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&settings.tokens)
@@ -175,6 +179,10 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         let server = server.clone();
         tokio::spawn(async move { server.drive_rollouts().await });
     }
+    // Bounded: open connections (every node holds two long polls), the time a request
+    // head may take, the wait between requests on a kept-alive connection (both the
+    // header timeout), and request bodies (64 KiB, `read_json`).
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -183,6 +191,10 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
         let server = server.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
@@ -190,8 +202,12 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
                 async move { Ok::<_, std::convert::Infallible>(server.handle(req).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .max_buf_size(64 * 1024)
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                 .await;
+            drop(slot);
         });
     }
 }
@@ -285,7 +301,15 @@ impl Server {
             }
             (Method::GET, ["v1", "status"]) if role != "node" => self.status().await,
             (Method::GET, ["v1", "audit"]) if role != "node" => match self.store.audit().await {
-                Ok(a) => json(StatusCode::OK, &serde_json::to_value(a).unwrap_or_default()),
+                Ok(mut a) => {
+                    // A team reads only what its own tokens did.
+                    if role.starts_with("team:") {
+                        let ours: Vec<&str> =
+                            self.tokens.iter().filter(|t| t.role == role).map(|t| t.name.as_str()).collect();
+                        a.retain(|e| ours.contains(&e.who.as_str()));
+                    }
+                    json(StatusCode::OK, &serde_json::to_value(a).unwrap_or_default())
+                }
                 Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             },
             (Method::POST, ["v1", "publish"]) if role == "platform" || role.starts_with("team:") => {
@@ -584,7 +608,7 @@ impl Server {
     /// Compiles the repository and publishes whatever changed; a team may publish only
     /// when everything that changed is its own.
     async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration) -> Response<Body> {
-        let _one = self.publishing.lock().await;
+        let one = self.publishing.lock().await;
         let repo = self.repo.clone();
         let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
         let Publishable { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
@@ -665,6 +689,8 @@ impl Server {
             "credentials": {"version": c.0.number, "hash": c.0.hash, "changed": c.1},
             "rollout": rollout,
         });
+        // Published: the key service and revocations may go on while this waits for ACKs.
+        drop(one);
         if c.1 && !wait_acks.is_zero() {
             // The fast lane: answer once every live node runs the new credentials.
             let (acked, stale) = self.wait_acks(c.0.number, wait_acks).await;

@@ -355,8 +355,14 @@ async fn tokens_and_roles_guard_the_api() {
     assert!(r.json()["errors"].to_string().contains("plan silver belongs to platform"), "{}", r.json());
     let audit = get(&url("/v1/audit"), &[("authorization", &platform_auth)]).await.json();
     assert_eq!(audit.as_array().unwrap().last().unwrap()["who"], "bob");
-    // Teams never roll back or manage keys.
+    // A team reads only its own tokens' part of the audit trail.
     let auth = format!("Bearer {TEAM_T_TOKEN}");
+    let ours = get(&url("/v1/audit"), &[("authorization", &auth)]).await.json();
+    let whos: Vec<&str> = ours.as_array().unwrap().iter().filter_map(|e| e["who"].as_str()).collect();
+    assert!(!whos.is_empty() && whos.iter().all(|w| *w == "bob"), "{ours}");
+    let theirs = get(&url("/v1/audit"), &[("authorization", &format!("Bearer {TEAM_X_TOKEN}"))]).await.json();
+    assert_eq!(theirs.as_array().map(Vec::len), Some(0), "{theirs}");
+    // Teams never roll back or manage keys.
     let r = postern_e2e::send(http::Method::POST, &url("/v1/rollback?to=1"), &[("authorization", &auth)], "").await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
     let r = postern_e2e::send(http::Method::POST, &url("/v1/keys/revoke"), &[("authorization", &auth)], "{}").await;
@@ -521,4 +527,26 @@ async fn a_staged_rollout_goes_canary_first_and_a_change_that_fails_is_reverted(
         n.wait_version(6).await;
     }
     assert_eq!(ctl(&cp, &["status"])["last_rollout"]["outcome"], "rolled_back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_cannot_hold_the_control_plane() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Setup { _echo, repo, work, tokens } = setup();
+    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens, &[]);
+    let addr = cp.url.trim_start_matches("http://").to_owned();
+    // Half a request head, then nothing: closed by the header timeout (10 s).
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    s.write_all(b"GET /v1/status HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let mut buf = Vec::new();
+    let t = std::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut buf)).await;
+    assert!(r.is_ok(), "the half-sent request held its connection for 15 s");
+    assert!(t.elapsed() >= Duration::from_secs(9), "closed after {:?}", t.elapsed());
+    // A body over 64 KiB is refused.
+    let auth = format!("Bearer {PLATFORM_TOKEN}");
+    let big = "x".repeat(100 * 1024);
+    let r =
+        postern_e2e::send(http::Method::POST, &format!("{}/v1/keys", cp.url), &[("authorization", &auth)], big).await;
+    assert!(r.status.is_client_error(), "{}", r.status);
 }
