@@ -357,14 +357,19 @@ macro_rules! drive {
         let period = limits.idle / IDLE_TICKS;
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         let (mut quiet, mut last) = (0u32, 0u64);
-        let mut closing = false;
+        let (mut closing, mut first_done) = (false, false);
         loop {
             tokio::select! {
                 r = conn.as_mut() => break r,
-                _ = &mut first, if !closing && !activity.seen.load(Ordering::Relaxed) => {
-                    metrics.connections_timed_out.fetch_add(1, Ordering::Relaxed);
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
+                // A branch's condition is read when this `select!` starts, which may be
+                // long before the deadline: whether a request came is judged on firing.
+                _ = &mut first, if !closing && !first_done => {
+                    first_done = true;
+                    if !activity.seen.load(Ordering::Relaxed) {
+                        metrics.connections_timed_out.fetch_add(1, Ordering::Relaxed);
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
                 }
                 _ = tick.tick(), if !closing => {
                     let bytes = activity.bytes.load(Ordering::Relaxed);
@@ -572,7 +577,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
     let snapshot_dir = args.snapshot.parent().map(Path::to_path_buf).unwrap_or_default();
     let runtime = postern_wasm::Runtime::new(&postern_wasm::RuntimeConfig {
-        cache_dir: Some(args.wasm_cache.clone().unwrap_or_else(|| snapshot_dir.join("wasm-cache"))),
+        // Absolute: the engine's code cache refuses a relative directory (a snapshot
+        // given as `snapshot.json` has the empty path as its directory).
+        cache_dir: Some(
+            std::path::absolute(args.wasm_cache.clone().unwrap_or_else(|| snapshot_dir.join("wasm-cache")))
+                .context("the Wasm code cache directory")?,
+        ),
         max_instances: args.wasm_instances.max(1),
         maxima: postern_model::wasm::Limits::MAXIMA,
         metering: true,
