@@ -43,6 +43,17 @@ use crate::store::{Change, Lane, Store, Version};
 
 /// A node counts as live while it polled within this long.
 const LIVE_FOR: Duration = Duration::from_secs(60);
+/// A node not heard from for this long is dropped from the maps (status, reports).
+const FORGET_AFTER: Duration = Duration::from_secs(3600);
+
+/// Whether a node token may act for `node`: a token bound to a node (`node:<name>`)
+/// speaks only for it; an unbound fleet token (`node`) for any.
+fn speaks_for(role: &str, node: &str) -> bool {
+    match role.strip_prefix("node:") {
+        Some(bound) => bound == node,
+        None => role == "node",
+    }
+}
 /// How often to look for versions published by another instance.
 const STORE_POLL: Duration = Duration::from_millis(250);
 
@@ -140,9 +151,11 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     let tokens: Vec<TokenEntry> =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("tokens {}: {e}", settings.tokens.display()))?;
     for t in &tokens {
-        let role_ok =
-            t.role == "platform" || t.role == "node" || t.role.strip_prefix("team:").is_some_and(|n| !n.is_empty());
-        anyhow::ensure!(role_ok, "token {}: role must be platform, node or team:<name>", t.name);
+        let role_ok = t.role == "platform"
+            || t.role == "node"
+            || t.role.strip_prefix("node:").is_some_and(|n| !n.is_empty())
+            || t.role.strip_prefix("team:").is_some_and(|n| !n.is_empty());
+        anyhow::ensure!(role_ok, "token {}: role must be platform, node:<name>, node or team:<name>", t.name);
         anyhow::ensure!(
             t.sha256.len() == 64 && hex::decode(&t.sha256).is_ok(),
             "token {}: sha256 must be 64 hex digits",
@@ -248,8 +261,15 @@ impl Server {
         };
         let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
         let role = who.role.as_str();
+        let is_node = role == "node" || role.starts_with("node:");
+        if let ["v1", "nodes", node, ..] = parts.as_slice()
+            && is_node
+            && !speaks_for(role, node)
+        {
+            return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {node}"));
+        }
         match (req.method().clone(), parts.as_slice()) {
-            (Method::GET, ["v1", "nodes", node, lane]) if role == "node" => {
+            (Method::GET, ["v1", "nodes", node, lane]) if is_node => {
                 let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
                 let poll = Poll::from_query(&query);
                 // What the node runs now (it may have booted from disk, with no ACK).
@@ -261,7 +281,7 @@ impl Server {
                 }
                 self.poll(node, kind, poll.have, Duration::from_secs(poll.wait_s), poll.full).await
             }
-            (Method::POST, ["v1", "nodes", node, lane, "ack"]) if role == "node" => {
+            (Method::POST, ["v1", "nodes", node, lane, "ack"]) if is_node => {
                 let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
                 let node = (*node).to_owned();
                 match read_json::<Ack>(req).await {
@@ -269,7 +289,7 @@ impl Server {
                     Err(e) => e,
                 }
             }
-            (Method::POST, ["v1", "nodes", node, "report"]) if role == "node" => {
+            (Method::POST, ["v1", "nodes", node, "report"]) if is_node => {
                 let node = (*node).to_owned();
                 match read_json::<Report>(req).await {
                     Ok(report) => {
@@ -279,7 +299,7 @@ impl Server {
                     Err(e) => e,
                 }
             }
-            (Method::GET, ["v1", "modules", hex]) if role == "node" || role == "platform" => {
+            (Method::GET, ["v1", "modules", hex]) if is_node || role == "platform" => {
                 match self.store.module(hex).await {
                     Ok(Some(b)) => Response::new(Full::new(Bytes::from(b))),
                     Ok(None) => error(StatusCode::NOT_FOUND, "no such module"),
@@ -299,8 +319,8 @@ impl Server {
             (Method::POST, ["v1", "deny"]) if role == "platform" => {
                 self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
             }
-            (Method::GET, ["v1", "status"]) if role != "node" => self.status().await,
-            (Method::GET, ["v1", "audit"]) if role != "node" => match self.store.audit().await {
+            (Method::GET, ["v1", "status"]) if !is_node => self.status().await,
+            (Method::GET, ["v1", "audit"]) if !is_node => match self.store.audit().await {
                 Ok(mut a) => {
                     // A team reads only what its own tokens did.
                     if role.starts_with("team:") {
@@ -329,6 +349,14 @@ impl Server {
 
     fn touch(&self, node: &str) {
         if let Ok(mut nodes) = self.nodes.lock() {
+            // Nodes gone for long are forgotten, with their reports.
+            let before = nodes.len();
+            nodes.retain(|_, n| n.seen.elapsed() < FORGET_AFTER);
+            if nodes.len() != before
+                && let Ok(mut reports) = self.reports.lock()
+            {
+                reports.retain(|name, _| nodes.contains_key(name));
+            }
             let n = nodes.entry(node.to_owned()).or_insert_with(|| NodeState {
                 snapshot: LaneState::default(),
                 credentials: LaneState::default(),

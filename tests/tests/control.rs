@@ -44,6 +44,8 @@ impl Drop for ControlPlane {
     }
 }
 
+const NODE_A_TOKEN: &str = "node-a-only-token";
+
 fn write_tokens(dir: &Path) -> std::path::PathBuf {
     let h = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
     let path = dir.join("tokens.json");
@@ -52,6 +54,7 @@ fn write_tokens(dir: &Path) -> std::path::PathBuf {
         {"name": "nodes", "role": "node", "sha256": h(NODE_TOKEN)},
         {"name": "bob", "role": "team:t", "sha256": h(TEAM_T_TOKEN)},
         {"name": "carol", "role": "team:x", "sha256": h(TEAM_X_TOKEN)},
+        {"name": "node-a", "role": "node:node-a", "sha256": h(NODE_A_TOKEN)},
     ]);
     std::fs::write(&path, text.to_string()).unwrap();
     path
@@ -549,4 +552,43 @@ async fn a_slow_client_cannot_hold_the_control_plane() {
     let r =
         postern_e2e::send(http::Method::POST, &format!("{}/v1/keys", cp.url), &[("authorization", &auth)], big).await;
     assert!(r.status.is_client_error(), "{}", r.status);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_token_bound_to_a_node_speaks_only_for_it() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens, &[]);
+    let platform_auth = format!("Bearer {PLATFORM_TOKEN}");
+    let r = postern_e2e::send(
+        http::Method::POST,
+        &format!("{}/v1/publish", cp.url),
+        &[("authorization", &platform_auth)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let auth = format!("Bearer {NODE_A_TOKEN}");
+    let ack = r#"{"version": 1, "ok": false, "error": "forged", "running": 0}"#;
+    // For itself: polls and ACKs are taken.
+    let r = get(&format!("{}/v1/nodes/node-a/snapshot?have=0&wait=0", cp.url), &[("authorization", &auth)]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = postern_e2e::send(
+        http::Method::POST,
+        &format!("{}/v1/nodes/node-a/snapshot/ack", cp.url),
+        &[("authorization", &auth)],
+        ack,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    // For another node: refused, and nothing is recorded for it.
+    for (method, path, body) in [
+        (http::Method::GET, "/v1/nodes/node-b/snapshot?have=0&wait=0", ""),
+        (http::Method::POST, "/v1/nodes/node-b/snapshot/ack", ack),
+        (http::Method::POST, "/v1/nodes/node-b/report", r#"{"snapshot": 1, "routes": {}}"#),
+    ] {
+        let r = postern_e2e::send(method, &format!("{}{path}", cp.url), &[("authorization", &auth)], body).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{path}");
+    }
+    let status = get(&format!("{}/v1/status", cp.url), &[("authorization", &platform_auth)]).await.json();
+    assert!(status["nodes"].get("node-a").is_some() && status["nodes"].get("node-b").is_none(), "{status}");
 }
