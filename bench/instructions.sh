@@ -5,7 +5,7 @@
 # with no filter, and one with a native header filter), PROGRAM TOTALS / N. Counts do
 # not move with the host's load, so builds compare on a busy machine.
 #
-#   bash bench/instructions.sh BIN_DIR [BIN_DIR ...]      Env: N (200)
+#   bash bench/instructions.sh BIN_DIR [BIN_DIR ...]      Env: N (200), NODE_ARGS (extra postern flags)
 #
 # Needs valgrind and a built `postern-echo` (target/debug or target/release).
 set -euo pipefail
@@ -38,9 +38,9 @@ for dir in "$@"; do
   i=$((i + 1)); tag=b$i; bin=$(cd "$dir" && pwd)
   mk $tag $bin/posternctl
   # Warm the compiled-code cache natively first.
-  $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 >/dev/null 2>&1 &
+  $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 ${NODE_ARGS:-} >/dev/null 2>&1 &
   p=$!; for _ in $(seq 200); do curl -sf -o /dev/null http://127.0.0.1:18292/healthz && break; sleep 0.1; done; kill $p; wait $p 2>/dev/null || true
-  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file=$lp/cg.$tag.%p $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 >/dev/null 2>$lp/vg.$tag.log &
+  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file=$lp/cg.$tag.%p $bin/postern --snapshot $lp/$tag/snapshot.json --public 127.0.0.1:18290 --admin 127.0.0.1:18292 --partner 127.0.0.1:18291 --workers 1 --wasm-instances 4 ${NODE_ARGS:-} >/dev/null 2>$lp/vg.$tag.log &
   p=$!
   for _ in $(seq 600); do curl -sf -o /dev/null http://127.0.0.1:18292/healthz && break; sleep 0.5; done
   for path in /v1/plain/1 /v1/native/1; do
