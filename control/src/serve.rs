@@ -46,6 +46,17 @@ const LIVE_FOR: Duration = Duration::from_secs(60);
 /// A node not heard from for this long is dropped from the maps (status, reports).
 const FORGET_AFTER: Duration = Duration::from_secs(3600);
 
+/// Keeps, in a rollout's description, only `team`'s routes (ids `team/name`).
+fn own_routes_only(rollout: &mut serde_json::Value, team: &str) {
+    let prefix = format!("{team}/");
+    if let Some(routes) = rollout.get_mut("routes").and_then(serde_json::Value::as_array_mut) {
+        routes.retain(|r| r.as_str().is_some_and(|id| id.starts_with(&prefix)));
+    }
+    if let Some(compared) = rollout.get_mut("compared").and_then(serde_json::Value::as_object_mut) {
+        compared.retain(|id, _| id.starts_with(&prefix));
+    }
+}
+
 /// Whether a node token may act for `node`: a token bound to a node (`node:<name>`)
 /// speaks only for it; an unbound fleet token (`node`) for any.
 fn speaks_for(role: &str, node: &str) -> bool {
@@ -319,7 +330,7 @@ impl Server {
             (Method::POST, ["v1", "deny"]) if role == "platform" => {
                 self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
             }
-            (Method::GET, ["v1", "status"]) if !is_node => self.status().await,
+            (Method::GET, ["v1", "status"]) if !is_node => self.status(role.strip_prefix("team:")).await,
             (Method::GET, ["v1", "audit"]) if !is_node => match self.store.audit().await {
                 Ok(mut a) => {
                     // A team reads only what its own tokens did.
@@ -583,7 +594,9 @@ impl Server {
         }
     }
 
-    async fn status(&self) -> Response<Body> {
+    /// The fleet's versions and the rollout in progress; a team sees the rollout's routes
+    /// and their comparisons only for its own routes.
+    async fn status(&self, team: Option<&str>) -> Response<Body> {
         let (s, c, _) = *self.heads.borrow();
         let live = self.live_nodes();
         let on = |v: u64, lane: fn(&NodeState) -> &LaneState| live.iter().filter(|(_, n)| lane(n).version == v).count();
@@ -627,7 +640,12 @@ impl Server {
                 "live_nodes": live.len(),
                 "laggards": laggards,
                 "nodes": nodes,
-                "rollout": self.rollout.lock().ok().and_then(|r| r.as_ref().map(Rollout::describe)),
+                "rollout": self.rollout.lock().ok().and_then(|r| r.as_ref().map(Rollout::describe)).map(|mut r| {
+                    if let Some(team) = team {
+                        own_routes_only(&mut r, team);
+                    }
+                    r
+                }),
                 "last_rollout": self.last_rollout.lock().ok().and_then(|l| l.clone()),
             }),
         )
@@ -953,4 +971,30 @@ pub async fn request_with(
     let status = resp.status();
     let body = resp.into_body().collect().await.map_err(|e| anyhow::anyhow!("{url}: {e}"))?.to_bytes();
     Ok((status, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_team_sees_only_its_own_routes_in_a_rollout() {
+        let mut r = serde_json::json!({
+            "to": 3,
+            "routes": ["t/a", "x/b", "t/c"],
+            "compared": {"t/a": {}, "x/b": {}},
+        });
+        own_routes_only(&mut r, "t");
+        assert_eq!(r["routes"], serde_json::json!(["t/a", "t/c"]));
+        assert_eq!(r["compared"], serde_json::json!({"t/a": {}}));
+        assert_eq!(r["to"], 3);
+    }
+
+    #[test]
+    fn node_tokens_speak_for_their_node() {
+        assert!(speaks_for("node:a", "a"));
+        assert!(!speaks_for("node:a", "b"));
+        assert!(speaks_for("node", "b"));
+        assert!(!speaks_for("platform", "a"));
+    }
 }
