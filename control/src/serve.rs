@@ -806,7 +806,7 @@ impl Server {
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         let base = match self.store.head(Lane::Credentials).await {
-            Ok(v) => v.map(|v| v.number),
+            Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         let repo = self.repo.clone();
@@ -833,14 +833,28 @@ impl Server {
         if changed && let Some(base) = base {
             let doc = postern_model::credentials::DeltaDoc {
                 delta: postern_model::credentials::CredentialsDelta {
-                    base,
+                    base: base.number,
                     version: v.number,
                     keys: applied.keys,
                     deny: applied.deny,
                 },
             };
-            if let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
-                deltas.push_back((base, v.number, Bytes::from(bytes)));
+            // A delta is offered only when it makes exactly the whole version: taken
+            // against the version it was computed from (no other publish in between, from
+            // this instance or another), and carrying every difference (a change to
+            // auth.yaml in the repository, say, is not in it: nodes then get the whole
+            // version).
+            let exact = v.number == base.number + 1
+                && postern_model::credentials::Credentials::open(&base.bytes)
+                    .is_ok_and(|(_, was)| was.with_delta(&doc.delta).same_state(&applied.credentials));
+            if !exact {
+                eprintln!(
+                    "posternctl serve: credentials v{} goes whole (not as a delta of v{})",
+                    v.number, base.number
+                );
+            }
+            if exact && let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
+                deltas.push_back((base.number, v.number, Bytes::from(bytes)));
                 if deltas.len() > DELTAS_KEPT {
                     deltas.pop_front();
                 }

@@ -592,3 +592,65 @@ async fn a_node_token_bound_to_a_node_speaks_only_for_it() {
     let status = get(&format!("{}/v1/status", cp.url), &[("authorization", &platform_auth)]).await.json();
     assert!(status["nodes"].get("node-a").is_some() && status["nodes"].get("node-b").is_none(), "{status}");
 }
+
+/// The credential lines a node logged for `version`: `(delta, apps=N)` of each.
+fn credentials_lines(node: &Node, version: u64) -> Vec<(bool, String)> {
+    node.log()
+        .lines()
+        .filter(|l| l.contains("credentials live") && l.contains(&format!("version={version}")))
+        .map(|l| {
+            (l.contains("(delta)"), l.split_whitespace().find(|w| w.starts_with("apps=")).unwrap_or("").to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_never_leaves_a_node_unlike_the_whole_version() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let cp = serve(repo.path(), work.path().join("store").to_str().unwrap(), &tokens, &["--dwell", "0s"]);
+    let platform_auth = format!("Bearer {PLATFORM_TOKEN}");
+    let r = postern_e2e::send(
+        http::Method::POST,
+        &format!("{}/v1/publish", cp.url),
+        &[("authorization", &platform_auth)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let node = start_node(&cp.url, &work.path().join("n0"), "node-0");
+    let remote = ["--control", cp.url.as_str(), "--token", PLATFORM_TOKEN];
+    let new_key = |id: &str| {
+        let out = Command::new(bin("posternctl"))
+            .args(["key", "new", "--id", id, "--app", "app-k", "--tenant", "acme", "--plan", "gold"])
+            .args(remote)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    };
+    let version =
+        async || get(&node.admin_url("/readyz"), &[]).await.json()["credentials"]["version"].as_u64().unwrap_or(0);
+
+    // A key alone: the node takes it as a delta.
+    new_key("k-delta");
+    let v = version().await;
+    wait_for("the delta", Duration::from_secs(10), async || !credentials_lines(&node, v).is_empty()).await;
+    assert!(credentials_lines(&node, v).iter().all(|(delta, _)| *delta), "{}", node.log());
+
+    // auth.yaml changed in the repository (an app added), then a key: the new version
+    // holds both, so the node must get it whole, and run the app too.
+    let auth = std::fs::read_to_string(repo.path().join("platform/auth.yaml")).unwrap_or_default();
+    let auth = if auth.contains("apps:") {
+        auth.replace("apps:", "apps:\n  app-new: { plan: gold, tenant: acme }")
+    } else {
+        format!("{auth}\napps:\n  app-new: {{ plan: gold, tenant: acme }}\n")
+    };
+    repo.write("platform/auth.yaml", &auth);
+    new_key("k-whole");
+    let v2 = version().await;
+    assert!(v2 > v);
+    wait_for("the whole version", Duration::from_secs(10), async || !credentials_lines(&node, v2).is_empty()).await;
+    let lines = credentials_lines(&node, v2);
+    assert!(lines.iter().all(|(delta, _)| !*delta), "the node took a delta: {lines:?}\n{}", node.log());
+    let apps_before = credentials_lines(&node, v).first().map(|l| l.1.clone());
+    assert!(lines.iter().all(|(_, apps)| Some(apps) != apps_before.as_ref() && !apps.is_empty()), "{lines:?}");
+}

@@ -60,6 +60,37 @@ pub struct Credentials {
 }
 
 impl Credentials {
+    /// This state with a delta's changes made as a node makes them: a key record replaces
+    /// the one with the same hash or is added; deny entries are added.
+    pub fn with_delta(&self, d: &CredentialsDelta) -> Credentials {
+        let mut out = self.clone();
+        for k in &d.keys {
+            match out.keys.iter_mut().find(|x| x.sha256.eq_ignore_ascii_case(&k.sha256)) {
+                Some(slot) => *slot = k.clone(),
+                None => out.keys.push(k.clone()),
+            }
+        }
+        out.deny.extend(d.deny.iter().cloned());
+        out
+    }
+
+    /// Whether two states grant the same: equal token settings, signing keys and apps,
+    /// the same key records by hash and the same deny entries, in any order.
+    pub fn same_state(&self, other: &Credentials) -> bool {
+        fn keys(c: &Credentials) -> BTreeMap<String, &ApiKey> {
+            c.keys.iter().map(|k| (k.sha256.to_ascii_lowercase(), k)).collect()
+        }
+        fn deny(c: &Credentials) -> std::collections::BTreeSet<String> {
+            c.deny.iter().filter_map(|d| serde_json::to_string(d).ok()).collect()
+        }
+        self.schema == other.schema
+            && self.jwt == other.jwt
+            && self.signing_keys == other.signing_keys
+            && self.apps == other.apps
+            && keys(self) == keys(other)
+            && deny(self) == deny(other)
+    }
+
     /// No keys, no signing keys: every credential is refused.
     pub fn empty() -> Credentials {
         Credentials {

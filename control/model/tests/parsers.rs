@@ -73,3 +73,35 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
+    use postern_model::credentials::{ApiKey, App, CredentialsDelta, KeyStatus, Priority};
+    let key = |id: &str, sha: &str, status: KeyStatus| ApiKey {
+        id: id.into(),
+        sha256: sha.into(),
+        app: "a".into(),
+        tenant: "t".into(),
+        plan: "p".into(),
+        scopes: vec![],
+        priority: Priority::Standard,
+        status,
+        successor: None,
+        expires_at: None,
+    };
+    let mut base = Credentials::empty();
+    base.keys = vec![key("k1", &"1".repeat(64), KeyStatus::Active)];
+    let mut whole = base.clone();
+    whole.keys[0].status = KeyStatus::Revoked;
+    whole.keys.insert(0, key("k2", &"2".repeat(64), KeyStatus::Active));
+    let delta = CredentialsDelta {
+        base: 1,
+        version: 2,
+        keys: vec![key("k1", &"1".repeat(64), KeyStatus::Revoked), key("k2", &"2".repeat(64), KeyStatus::Active)],
+        deny: vec![],
+    };
+    assert!(base.with_delta(&delta).same_state(&whole), "order does not matter");
+    // A difference the delta does not carry (an app) means it is not the whole version.
+    whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: Priority::Standard });
+    assert!(!base.with_delta(&delta).same_state(&whole));
+}
