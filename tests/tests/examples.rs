@@ -45,7 +45,7 @@ async fn example_filters_on_the_demo_routes() {
 
     // header-injector: request header set, client header removed, response tagged.
     let r = get(&node.url("/v1/echo/hi"), &[("x-debug", "1")]).await;
-    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.status, StatusCode::OK, "{:?}\n{}", r.body, node.log());
     assert_eq!(r.echoed("x-demo").as_deref(), Some("injected-by-wasm"));
     assert!(r.echoed("x-debug").is_none());
     assert_eq!(r.header("x-filter"), Some("header-injector"));
