@@ -382,6 +382,30 @@ pub fn write_private_key(path: &Path, pem: &str) -> anyhow::Result<()> {
     f.write_all(pem.as_bytes()).and_then(|()| f.sync_all()).map_err(|e| anyhow!("cannot write {}: {e}", path.display()))
 }
 
+/// Reads the control plane's signing key (`ed25519-seed:<hex>`).
+pub fn read_signer(path: &Path) -> anyhow::Result<postern_model::sign::Signer> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        anyhow!("cannot read the signing key {}: {e} (`posternctl signing-key new FILE` makes one)", path.display())
+    })?;
+    postern_model::sign::Signer::parse(&text).map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+/// The signing key of a directory store: `<store>/signing.key`, made on first start (mode
+/// 0600), with its public half in `<store>/signing.pub` for nodes to pin.
+pub fn store_signer(store: &Path) -> anyhow::Result<postern_model::sign::Signer> {
+    let path = store.join("signing.key");
+    let signer = if path.exists() {
+        read_signer(&path)?
+    } else {
+        std::fs::create_dir_all(store).map_err(|e| anyhow!("cannot create {}: {e}", store.display()))?;
+        let signer = postern_model::sign::Signer::generate()?;
+        write_private_key(&path, &signer.to_text())?;
+        signer
+    };
+    postern_model::disk::write_atomic(&store.join("signing.pub"), format!("{}\n", signer.public()).as_bytes())?;
+    Ok(signer)
+}
+
 /// A development access token to sign with [`mint`].
 #[derive(Debug, Clone)]
 pub struct MintRequest<'a> {

@@ -98,6 +98,25 @@ enum Command {
         /// slower, whichever is more.
         #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
         rollout_p99_slack: std::time::Duration,
+        /// The Ed25519 key every version is signed with (`posternctl signing-key new`);
+        /// default: `<store>/signing.key`, made on first start, for a directory store.
+        #[arg(long)]
+        signing_key: Option<PathBuf>,
+        /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The certificate's private key (PEM).
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Also write every credentials version, signed, to `<DIR>/credentials.json`: the
+        /// second revocation path nodes poll (`postern --credentials-dir`).
+        #[arg(long, value_name = "DIR")]
+        publish_dir: Option<PathBuf>,
+    },
+    /// The control plane's signing key.
+    SigningKey {
+        #[command(subcommand)]
+        command: SigningKeyCommand,
     },
     /// Compile the repository on the control plane and publish what changed.
     Publish {
@@ -122,6 +141,21 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum SigningKeyCommand {
+    /// Make a new key (written with mode 0600); prints the public key nodes pin
+    /// (`postern --control-key`).
+    New {
+        /// Where to write it.
+        out: PathBuf,
+    },
+    /// Print a key's public half.
+    Public {
+        /// The private key file.
+        key: PathBuf,
+    },
+}
+
 /// How to reach a serving control plane.
 #[derive(Args)]
 struct ControlArgs {
@@ -131,6 +165,9 @@ struct ControlArgs {
     /// Admin token (or POSTERN_TOKEN).
     #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
     token: String,
+    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
+    #[arg(long, env = "POSTERN_CONTROL_CA")]
+    control_ca: Option<PathBuf>,
 }
 
 /// A control plane to send a change to instead of editing a repository.
@@ -142,6 +179,9 @@ struct Remote {
     /// Admin token (or POSTERN_TOKEN).
     #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
+    #[arg(long, env = "POSTERN_CONTROL_CA")]
+    control_ca: Option<PathBuf>,
 }
 
 impl Remote {
@@ -156,6 +196,7 @@ impl Remote {
             http::Method::POST.as_str(),
             &url,
             token,
+            self.control_ca.as_deref(),
             Some(body),
         ))?;
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
@@ -653,6 +694,10 @@ fn main() -> ExitCode {
             rollout_min_requests,
             rollout_max_5xx_increase,
             rollout_p99_slack,
+            signing_key,
+            tls_cert,
+            tls_key,
+            publish_dir,
         } => {
             let rollout = posternctl::rollout::RolloutSettings {
                 dwell,
@@ -662,8 +707,11 @@ fn main() -> ExitCode {
                 p99_slack: rollout_p99_slack,
                 ..Default::default()
             };
-            report(serve(posternctl::serve::ServeSettings { repo, listen, tokens, rollout }, &store))
+            let tls = tls_cert.zip(tls_key);
+            let settings = posternctl::serve::ServeSettings { repo, listen, tokens, rollout, tls, publish_dir };
+            report(serve(settings, &store, signing_key.as_deref()))
         }
+        Command::SigningKey { command } => report(signing_key(command)),
         Command::Publish { control, wait_acks } => {
             report(call(&control, "POST", &format!("/v1/publish?wait_acks={wait_acks}")))
         }
@@ -699,17 +747,45 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
-fn serve(settings: posternctl::serve::ServeSettings, store: &str) -> anyhow::Result<()> {
+fn serve(settings: posternctl::serve::ServeSettings, store: &str, key: Option<&Path>) -> anyhow::Result<()> {
+    let is_dir = !(store.starts_with("postgres://") || store.starts_with("postgresql://"));
+    let signer = match key {
+        Some(path) => posternctl::keys::read_signer(path)?,
+        None if is_dir => posternctl::keys::store_signer(Path::new(store))?,
+        None => anyhow::bail!(
+            "a PostgreSQL store is shared by several instances: give each the same --signing-key \
+             (`posternctl signing-key new FILE` makes one)"
+        ),
+    };
+    eprintln!("posternctl serve: signing versions with {}", signer.public());
     runtime()?.block_on(async {
-        let store = posternctl::store::Store::open(store).await?;
+        let store = posternctl::store::Store::open(store, Some(std::sync::Arc::new(signer))).await?;
         posternctl::serve::serve(settings, store).await
     })
+}
+
+fn signing_key(command: SigningKeyCommand) -> anyhow::Result<()> {
+    match command {
+        SigningKeyCommand::New { out } => {
+            let signer = postern_model::sign::Signer::generate()?;
+            posternctl::keys::write_private_key(&out, &signer.to_text())?;
+            outln!("{}", signer.public());
+        }
+        SigningKeyCommand::Public { key } => outln!("{}", posternctl::keys::read_signer(&key)?.public()),
+    }
+    Ok(())
 }
 
 /// One request to the control plane; prints the answer (the summary line for status).
 fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
     let url = format!("{}{path}", control.control.trim_end_matches('/'));
-    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(method, &url, &control.token, None))?;
+    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(
+        method,
+        &url,
+        &control.token,
+        control.control_ca.as_deref(),
+        None,
+    ))?;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
     if let Some(summary) = v["summary"].as_str() {
         outln!("{summary}");

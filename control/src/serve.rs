@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tokio::sync::watch;
 
-use postern_model::protocol::{Ack, MAX_WAIT_S, Poll};
+use postern_model::protocol::{self, Ack, MAX_WAIT_S, Poll};
 use postern_model::report::{Report, RouteCounts, Watch};
 
 use crate::keyservice::Op;
@@ -79,6 +79,12 @@ pub struct ServeSettings {
     pub tokens: PathBuf,
     /// How snapshots are rolled out.
     pub rollout: RolloutSettings,
+    /// Certificate chain and private key (PEM) to serve HTTPS with; plain HTTP without.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Where every credentials version is also written, signed, as `credentials.json`:
+    /// the directory (a shared volume or mounted bucket) nodes poll when their streams
+    /// are down.
+    pub publish_dir: Option<PathBuf>,
 }
 
 /// One admin token.
@@ -130,6 +136,8 @@ struct Server {
     /// The key service's recent changes as deltas (base, version, document): a node
     /// running the base gets the delta instead of the whole table.
     deltas: Mutex<std::collections::VecDeque<(u64, u64, Bytes)>>,
+    /// See [`ServeSettings::publish_dir`].
+    publish_dir: Option<PathBuf>,
 }
 
 /// Deltas kept for nodes a few changes behind.
@@ -190,7 +198,15 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         last_rollout: Mutex::new(None),
         reports: Mutex::new(BTreeMap::new()),
         deltas: Mutex::new(std::collections::VecDeque::new()),
+        publish_dir: settings.publish_dir,
     });
+    let tls = match &settings.tls {
+        Some((cert, key)) => {
+            Some(tokio_rustls::TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"http/1.1"])?))
+        }
+        None => None,
+    };
+    server.write_published().await;
     let listener = tokio::net::TcpListener::bind(settings.listen).await?;
     let addr = listener.local_addr()?;
     eprintln!("posternctl serve: listening on {addr}");
@@ -220,23 +236,71 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
             continue;
         };
         let server = server.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
                 let server = server.clone();
                 async move { Ok::<_, std::convert::Infallible>(server.handle(req).await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let http = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(Duration::from_secs(10))
                 .max_buf_size(64 * 1024)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                .await;
+                .clone();
+            match tls {
+                // The handshake has the header timeout's bound too.
+                Some(tls) => {
+                    if let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_secs(10), tls.accept(stream)).await {
+                        let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                    }
+                }
+                None => {
+                    let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                }
+            }
             drop(slot);
         });
     }
 }
 
 impl Server {
+    /// Keeps `<publish_dir>/credentials.json` at the credentials head, signed as stored:
+    /// written on every new head (from this instance or another), retried every 5 s
+    /// while the directory cannot be written.
+    async fn write_published(self: &Arc<Self>) {
+        let Some(dir) = self.publish_dir.clone() else { return };
+        let server = self.clone();
+        let mut heads = self.heads.subscribe();
+        tokio::spawn(async move {
+            let mut written = 0;
+            loop {
+                let want = heads.borrow_and_update().1;
+                if want > written {
+                    match server.store.head(Lane::Credentials).await {
+                        Ok(Some(v)) => {
+                            let path = dir.join(protocol::DROP_CREDENTIALS);
+                            let bytes = v.bytes.clone();
+                            let wrote = tokio::task::spawn_blocking(move || {
+                                postern_model::disk::write_atomic(&path, &bytes).map_err(|e| e.to_string())
+                            })
+                            .await
+                            .unwrap_or_else(|e| Err(e.to_string()));
+                            match wrote {
+                                Ok(()) => written = v.number,
+                                Err(e) => eprintln!("posternctl serve: publish dir: {e}"),
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => eprintln!("posternctl serve: publish dir: cannot read the credentials head: {e}"),
+                    }
+                }
+                if let Ok(Err(_)) = tokio::time::timeout(Duration::from_secs(5), heads.changed()).await {
+                    return;
+                }
+            }
+        });
+    }
+
     /// Picks up versions another instance published.
     async fn watch_store(&self) {
         loop {
@@ -831,13 +895,15 @@ impl Server {
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         if changed && let Some(base) = base {
-            let doc = postern_model::credentials::DeltaDoc {
-                delta: postern_model::credentials::CredentialsDelta {
-                    base: base.number,
-                    version: v.number,
-                    keys: applied.keys,
-                    deny: applied.deny,
-                },
+            let delta = postern_model::credentials::CredentialsDelta {
+                base: base.number,
+                version: v.number,
+                keys: applied.keys,
+                deny: applied.deny,
+            };
+            let doc = match postern_model::credentials::DeltaDoc::new(delta, self.store.signer()) {
+                Ok(doc) => doc,
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
             };
             // A delta is offered only when it makes exactly the whole version: taken
             // against the version it was computed from (no other publish in between, from
@@ -968,9 +1034,10 @@ pub async fn request_with(
     method: &str,
     url: &str,
     token: &str,
+    ca: Option<&std::path::Path>,
     body: Option<serde_json::Value>,
 ) -> anyhow::Result<(StatusCode, Bytes)> {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let client = postern_model::tls::client(ca)?;
     let body = body.map(|b| Bytes::from(b.to_string())).unwrap_or_default();
     let req = Request::builder()
         .method(method)

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use postern_model::SnapshotFile;
 use postern_model::disk::unix_now;
+use postern_model::sign::Signer;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
@@ -26,6 +27,8 @@ pub struct Version {
     pub hash: String,
     /// The sealed envelope, as nodes receive it.
     pub bytes: Arc<[u8]>,
+    /// Its signature, if it was published with a signing key.
+    pub sig: Option<String>,
 }
 
 /// A version to publish, and who publishes it why.
@@ -60,8 +63,13 @@ pub struct AuditEntry {
     pub note: String,
 }
 
-/// A version store.
-pub enum Store {
+/// A version store, and the key it signs new versions with.
+pub struct Store {
+    backend: Backend,
+    signer: Option<Arc<Signer>>,
+}
+
+enum Backend {
     /// Files in a directory.
     Dir(DirStore),
     /// PostgreSQL tables.
@@ -70,81 +78,113 @@ pub enum Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Store::Dir(d) => write!(f, "Store::Dir({})", d.root.display()),
-            Store::Postgres(_) => write!(f, "Store::Postgres"),
+        match &self.backend {
+            Backend::Dir(d) => write!(f, "Store::Dir({})", d.root.display()),
+            Backend::Postgres(_) => write!(f, "Store::Postgres"),
         }
     }
 }
 
 impl Store {
-    /// Opens `spec`: a `postgres://` URL, or a directory path.
-    pub async fn open(spec: &str) -> anyhow::Result<Store> {
-        if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
-            Ok(Store::Postgres(Box::new(PgStore::connect(spec).await?)))
+    /// Opens `spec`: a `postgres://` URL, or a directory path. Versions it publishes are
+    /// signed with `signer`, when there is one.
+    pub async fn open(spec: &str, signer: Option<Arc<Signer>>) -> anyhow::Result<Store> {
+        let backend = if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+            Backend::Postgres(Box::new(PgStore::connect(spec).await?))
         } else {
-            Ok(Store::Dir(DirStore::open(Path::new(spec))?))
+            Backend::Dir(DirStore::open(Path::new(spec))?)
+        };
+        Ok(Store { backend, signer })
+    }
+
+    /// The directory of an embedded store (`None` for PostgreSQL).
+    pub fn dir(&self) -> Option<&Path> {
+        match &self.backend {
+            Backend::Dir(d) => Some(&d.root),
+            Backend::Postgres(_) => None,
         }
+    }
+
+    /// The key new versions are signed with.
+    pub fn signer(&self) -> Option<&Signer> {
+        self.signer.as_deref()
     }
 
     /// The newest version of `kind`.
     pub async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
-        match self {
-            Store::Dir(d) => d.head(kind).await,
-            Store::Postgres(p) => p.head(kind).await,
+        match &self.backend {
+            Backend::Dir(d) => d.head(kind).await,
+            Backend::Postgres(p) => p.head(kind).await,
         }
     }
 
     /// Version `number` of `kind`.
     pub async fn get(&self, kind: Lane, number: u64) -> anyhow::Result<Option<Version>> {
-        match self {
-            Store::Dir(d) => d.get(kind, number),
-            Store::Postgres(p) => p.get(kind, number).await,
+        match &self.backend {
+            Backend::Dir(d) => d.get(kind, number),
+            Backend::Postgres(p) => p.get(kind, number).await,
         }
     }
 
     /// Publishes the change's content as the next version of its lane, unless it equals
     /// the head's content (then the head is returned, and `false`). Audited.
     pub async fn publish(&self, change: &Change<'_>) -> anyhow::Result<(Version, bool)> {
-        match self {
-            Store::Dir(d) => d.publish(change).await,
-            Store::Postgres(p) => p.publish(change).await,
+        match &self.backend {
+            Backend::Dir(d) => d.publish(change, self.signer.as_deref()).await,
+            Backend::Postgres(p) => p.publish(change, self.signer.as_deref()).await,
         }
     }
 
     /// Stores a filter module by its digest (idempotent).
     pub async fn put_module(&self, digest_hex: &str, bytes: &[u8]) -> anyhow::Result<()> {
-        match self {
-            Store::Dir(d) => d.put_module(digest_hex, bytes),
-            Store::Postgres(p) => p.put_module(digest_hex, bytes).await,
+        match &self.backend {
+            Backend::Dir(d) => d.put_module(digest_hex, bytes),
+            Backend::Postgres(p) => p.put_module(digest_hex, bytes).await,
         }
     }
 
     /// A filter module by its digest.
     pub async fn module(&self, digest_hex: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        match self {
-            Store::Dir(d) => d.module(digest_hex),
-            Store::Postgres(p) => p.module(digest_hex).await,
+        match &self.backend {
+            Backend::Dir(d) => d.module(digest_hex),
+            Backend::Postgres(p) => p.module(digest_hex).await,
         }
     }
 
     /// The audit trail, oldest first.
     pub async fn audit(&self) -> anyhow::Result<Vec<AuditEntry>> {
-        match self {
-            Store::Dir(d) => d.audit(),
-            Store::Postgres(p) => p.audit().await,
+        match &self.backend {
+            Backend::Dir(d) => d.audit(),
+            Backend::Postgres(p) => p.audit().await,
         }
     }
 }
 
-fn seal(number: u64, content: &serde_json::value::RawValue) -> anyhow::Result<Version> {
-    let file = SnapshotFile {
+fn seal(
+    kind: Lane,
+    number: u64,
+    content: &serde_json::value::RawValue,
+    signer: Option<&Signer>,
+) -> anyhow::Result<Version> {
+    let mut file = SnapshotFile {
         version: number,
         hash: postern_model::content_hash(content.get().as_bytes()),
+        sig: None,
         content: content.to_owned(),
     };
+    if let Some(signer) = signer {
+        file.sign(kind, signer);
+    }
     let bytes = serde_json::to_vec(&file)?;
-    Ok(Version { number, hash: file.hash, bytes: bytes.into() })
+    Ok(Version { number, hash: file.hash, bytes: bytes.into(), sig: file.sig })
+}
+
+/// Whether `head` may stand for new content with its hash: yes, unless a signing key is
+/// set and `head` is not signed by it (a store from before the key, or another key's):
+/// then the same content is published again, signed.
+fn reusable(kind: Lane, head: &Version, hash: &str, signer: Option<&Signer>) -> bool {
+    let subject = postern_model::sign::Subject::Whole { lane: kind, version: head.number, hash: &head.hash };
+    head.hash == hash && signer.is_none_or(|s| s.public().verify(&subject, head.sig.as_deref()).is_ok())
 }
 
 fn is_hex_digest(s: &str) -> bool {
@@ -188,7 +228,7 @@ impl DirStore {
             Err(e) => return Err(anyhow::anyhow!("cannot read {}: {e}", path.display())),
         };
         let file = SnapshotFile::open_envelope(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Ok(Some(Version { number: file.version, hash: file.hash, bytes: bytes.into() }))
+        Ok(Some(Version { number: file.version, hash: file.hash, sig: file.sig, bytes: bytes.into() }))
     }
 
     async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
@@ -198,17 +238,17 @@ impl DirStore {
         }
     }
 
-    async fn publish(&self, change: &Change<'_>) -> anyhow::Result<(Version, bool)> {
+    async fn publish(&self, change: &Change<'_>, signer: Option<&Signer>) -> anyhow::Result<(Version, bool)> {
         let Change { kind, content, who, action, note } = *change;
         let _guard = self.lock.lock().await;
         let last = self.numbers(kind)?.last().copied();
         if let Some(n) = last
             && let Some(head) = self.get(kind, n)?
-            && head.hash == postern_model::content_hash(content.get().as_bytes())
+            && reusable(kind, &head, &postern_model::content_hash(content.get().as_bytes()), signer)
         {
             return Ok((head, false));
         }
-        let v = seal(last.unwrap_or(0) + 1, content)?;
+        let v = seal(kind, last.unwrap_or(0) + 1, content, signer)?;
         crate::write_atomic(&self.root.join(kind.as_str()).join(format!("{}.json", v.number)), &v.bytes)?;
         let entry = AuditEntry {
             at: unix_now(),
@@ -324,7 +364,7 @@ impl PgStore {
         let file =
             SnapshotFile::open_envelope(&body).map_err(|e| anyhow::anyhow!("{} v{number}: {e}", kind.as_str()))?;
         anyhow::ensure!(file.hash == hash, "{} v{number}: stored hash differs", kind.as_str());
-        Ok(Version { number: u64::try_from(number)?, hash, bytes: body.into() })
+        Ok(Version { number: u64::try_from(number)?, hash, sig: file.sig, bytes: body.into() })
     }
 
     async fn head(&self, kind: Lane) -> anyhow::Result<Option<Version>> {
@@ -353,7 +393,7 @@ impl PgStore {
         rows.first().map(|r| PgStore::row(kind, r)).transpose()
     }
 
-    async fn publish(&self, change: &Change<'_>) -> anyhow::Result<(Version, bool)> {
+    async fn publish(&self, change: &Change<'_>, signer: Option<&Signer>) -> anyhow::Result<(Version, bool)> {
         let Change { kind, content, who, action, note } = *change;
         let hash = postern_model::content_hash(content.get().as_bytes());
         // One transaction: lock the lane, read its head, append, audit.
@@ -363,10 +403,10 @@ impl PgStore {
             let lane = if kind == Lane::Snapshot { 1i64 } else { 2 };
             client.execute("SELECT pg_advisory_xact_lock(7107, $1::int)", &[&(lane as i32)]).await?;
             let head = PgStore::head_on(&client, kind).await?;
-            if let Some(h) = head.as_ref().filter(|h| h.hash == hash) {
+            if let Some(h) = head.as_ref().filter(|h| reusable(kind, h, &hash, signer)) {
                 return Ok::<_, anyhow::Error>((h.clone(), false));
             }
-            let v = seal(head.map_or(0, |h| h.number) + 1, content)?;
+            let v = seal(kind, head.map_or(0, |h| h.number) + 1, content, signer)?;
             let n = i64::try_from(v.number)?;
             client
                 .execute(

@@ -18,15 +18,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use sha2::Digest as _;
 
 use postern_model::credentials::DeltaDoc;
 use postern_model::disk;
 use postern_model::protocol::{self, Ack, Lane, Poll};
 use postern_model::report::{Report, Watch};
+use postern_model::sign::Trust;
 
 use crate::live;
 use crate::proxy::Gateway;
@@ -51,19 +49,64 @@ pub struct ControlSettings {
     pub canary: bool,
     /// How often to report the routes a rollout compares.
     pub report_every: Duration,
+    /// CA certificates (PEM) for an `https://` control plane.
+    pub ca: Option<PathBuf>,
+    /// The control plane's keys: every version must be signed by one.
+    pub trust: Arc<Trust>,
 }
 
-type Http = Client<HttpConnector, Full<Bytes>>;
+type Http = postern_model::tls::ControlClient;
 
 /// Starts both lanes.
-pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings) {
-    let client: Http = Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(90)).build_http();
+pub fn start(gw: Arc<Gateway>, builder: Arc<Builder>, settings: ControlSettings) -> anyhow::Result<()> {
+    let client = postern_model::tls::client(settings.ca.as_deref())?;
     let settings = Arc::new(settings);
     for lane in Lane::ALL {
         let (gw, builder, settings, client) = (gw.clone(), builder.clone(), settings.clone(), client.clone());
         tokio::spawn(async move { run(lane, gw, builder, settings, client).await });
     }
     tokio::spawn(async move { report(gw, settings, client).await });
+    Ok(())
+}
+
+/// Polls `<dir>/credentials.json` every `every`: the signed credentials a control plane
+/// also writes there (`posternctl serve --publish-dir`), the second revocation path when
+/// its streams are down. A newer version, signed by a trusted key, is applied and written
+/// to the node's own credentials file; an older or equal one is left alone.
+pub fn watch_drop(gw: Arc<Gateway>, dir: PathBuf, every: Duration, credentials: PathBuf) {
+    tokio::spawn(async move {
+        let path = dir.join(protocol::DROP_CREDENTIALS);
+        let mut seen = None;
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let stamp = std::fs::metadata(&path).ok().map(|m| (m.modified().ok(), m.len()));
+            if stamp.is_none() || stamp == seen {
+                continue;
+            }
+            seen = stamp;
+            let (gw, path, credentials) = (gw.clone(), path.clone(), credentials.clone());
+            let done = tokio::task::spawn_blocking(move || {
+                let bytes = std::fs::read(&path).map_err(|e| e.to_string())?;
+                let applied = live::apply_credentials_if(&gw, &bytes, |offered, live| offered > live)
+                    .map_err(|e| e.to_string())?;
+                if applied {
+                    live::persist_credentials(&credentials, &bytes).map_err(|e| e.to_string())?;
+                }
+                Ok::<_, String>(applied)
+            })
+            .await;
+            match done {
+                Ok(Ok(true)) => tracing::info!(dir = %dir.display(), "credentials taken from the publish directory"),
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    tracing::error!(dir = %dir.display(), error = %e, "publish directory: credentials refused")
+                }
+                Err(e) => tracing::error!(error = %e, "publish directory: reader failed"),
+            }
+        }
+    });
 }
 
 /// Reports the routes a rollout compares (per route: responses, 5xx, latency histogram,
@@ -111,7 +154,7 @@ async fn report(gw: Arc<Gateway>, s: Arc<ControlSettings>, client: Http) {
 
 /// Fetches the snapshot head once, for a node booting with nothing on disk.
 pub async fn fetch_first(settings: &ControlSettings, wait: Duration) -> anyhow::Result<Vec<u8>> {
-    let client: Http = Client::builder(TokioExecutor::new()).build_http();
+    let client = postern_model::tls::client(settings.ca.as_deref())?;
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let poll = Poll { running: Some(0), wait_s: 5, canary: settings.canary, full: true, ..Poll::default() };
@@ -219,6 +262,10 @@ async fn apply(
         Lane::Credentials => match delta {
             Some(doc) => {
                 let doc = doc.map_err(|e| format!("malformed delta: {e}"))?;
+                // Already there (the publish directory brought its version first).
+                if running(gw, Lane::Credentials) >= doc.delta.version {
+                    return Ok(());
+                }
                 let gw2 = gw.clone();
                 tokio::task::spawn_blocking(move || live::apply_credentials_delta(&gw2, &doc))
                     .await
@@ -275,7 +322,9 @@ async fn post_ack(client: &Http, s: &ControlSettings, lane: Lane, ack: Ack) -> R
 /// Fetches every module the snapshot names that is not on disk yet, checking each
 /// against its digest.
 async fn fetch_modules(client: &Http, s: &ControlSettings, snapshot: &[u8]) -> Result<(), String> {
-    let (_, snapshot) = postern_model::SnapshotFile::open(snapshot).map_err(|e| e.to_string())?;
+    let (file, snapshot) = postern_model::SnapshotFile::open(snapshot).map_err(|e| e.to_string())?;
+    // Nothing is fetched for a snapshot this node would refuse.
+    file.verify(Lane::Snapshot, Some(&s.trust)).map_err(|e| e.to_string())?;
     for hex in snapshot.module_digests() {
         let path = s.modules.join(format!("{hex}.wasm"));
         if path.exists() {

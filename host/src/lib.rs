@@ -14,6 +14,7 @@ pub mod body;
 pub mod canon;
 pub mod control_client;
 pub mod error;
+pub mod forwarded;
 pub mod framing;
 pub mod headers;
 pub mod live;

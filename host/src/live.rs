@@ -123,24 +123,37 @@ pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), ApplyError> {
 /// Swaps in a credential state if it opens, builds and is newer; the same version again
 /// is a no-op; otherwise the live state stays and the reason is returned.
 pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), ApplyError> {
+    // The file the node itself just wrote (or any file of the live version) is not parsed
+    // again: for a large key table that is most of a change's cost.
+    apply_credentials_if(gw, bytes, |offered, live| offered == 0 || offered != live).map(|_| ())
+}
+
+/// As [`apply_credentials`], but only a version `wanted(offered, live)` says yes to is
+/// parsed at all; whether it was applied.
+pub fn apply_credentials_if(
+    gw: &Gateway,
+    bytes: &[u8],
+    wanted: impl FnOnce(u64, u64) -> bool,
+) -> Result<bool, ApplyError> {
     let refuse = |why: ApplyError| {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
         Err(why)
     };
     let current = gw.auth.credentials.load();
-    // The file the node itself just wrote (or any file of the live version) is not parsed
-    // again: for a large key table that is most of a change's cost.
-    let opened = postern_model::credentials::Credentials::open_if(bytes, |v| v == 0 || v != current.version);
+    let opened = postern_model::credentials::Credentials::open_if(bytes, |v| wanted(v, current.version));
     let (file, creds) = match opened {
         Ok(Some(x)) => x,
-        Ok(None) => return Ok(()),
+        Ok(None) => return Ok(false),
         Err(e) => return refuse(e.into()),
     };
+    if let Err(e) = file.verify(gw.trust.as_deref()) {
+        return refuse(e.into());
+    }
     if file.version <= current.version {
         if file.version < current.version {
             return refuse(ApplyError::Older { version: file.version, live: current.version });
         }
-        return Ok(());
+        return Ok(false);
     }
     let now = disk::unix_now();
     let store = match postern_builtin_filters::auth::CredentialStore::build(file.version, &creds, now) {
@@ -152,12 +165,16 @@ pub fn apply_credentials(gw: &Gateway, bytes: &[u8]) -> Result<(), ApplyError> {
     gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
     gw.metrics.credentials_version.store(file.version, Ordering::Relaxed);
     tracing::info!(version = file.version, keys, signing, apps, deny, "credentials live");
-    Ok(())
+    Ok(true)
 }
 
 /// Applies a fast-lane delta to the live credential state; it must start from the live
 /// version.
 pub fn apply_credentials_delta(gw: &Gateway, doc: &postern_model::credentials::DeltaDoc) -> Result<(), ApplyError> {
+    if let Err(e) = doc.verify(gw.trust.as_deref()) {
+        gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
+        return Err(e.into());
+    }
     let d = &doc.delta;
     let live = gw.auth.credentials.load();
     if live.version != d.base {

@@ -39,6 +39,9 @@ pub struct Gateway {
     pub ratesync: Option<Arc<crate::ratesync::RateSync>>,
     /// How long a backend's response body may send nothing before it is cut.
     pub body_idle: Duration,
+    /// The control plane keys credential versions and deltas must be signed by (none:
+    /// any credentials file).
+    pub trust: Option<Arc<postern_model::sign::Trust>>,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -54,11 +57,13 @@ pub struct ConnInfo {
     pub xff: HeaderValue,
     /// `Forwarded` value (`for=..;proto=..`, RFC 7239).
     pub forwarded: HeaderValue,
+    /// The trusted hops, when the peer is one: its `X-Forwarded-For` names the client.
+    pub via_hop: Option<Arc<crate::forwarded::Hops>>,
 }
 
 impl ConnInfo {
     /// Facts for a connection from `peer` on a `pool` listener.
-    pub fn new(pool: Pool, peer: SocketAddr, tls: bool) -> ConnInfo {
+    pub fn new(pool: Pool, peer: SocketAddr, tls: bool, hops: &Arc<crate::forwarded::Hops>) -> ConnInfo {
         let proto = if tls { "https" } else { "http" };
         let ip = peer.ip();
         let xff = HeaderValue::from_str(&ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"));
@@ -70,6 +75,7 @@ impl ConnInfo {
             proto: HeaderValue::from_static(proto),
             xff,
             forwarded: HeaderValue::from_str(&fwd).unwrap_or(HeaderValue::from_static("for=unknown")),
+            via_hop: hops.trusts(ip).then(|| hops.clone()),
         }
     }
 }
@@ -259,6 +265,11 @@ async fn forward<'l>(
         }
     }
 
+    // From a trusted hop, its X-Forwarded-For names the client (read before it goes).
+    let hop = conn
+        .via_hop
+        .as_ref()
+        .map(|hops| crate::forwarded::through_hops(&parts.headers, conn.peer.ip(), &conn.proto, hops));
     headers::strip_hop_by_hop(&mut parts.headers);
     headers::strip_client_identity(&mut parts.headers);
     // The backend is told the host the request was routed on, whatever the client's
@@ -310,10 +321,20 @@ async fn forward<'l>(
     let h = &mut parts.headers;
     h.insert(X_FORWARDED_HOST, host.clone());
     h.insert(HOST, host);
-    h.insert(X_FORWARDED_FOR, conn.xff.clone());
-    h.insert(X_REAL_IP, conn.xff.clone());
-    h.insert(X_FORWARDED_PROTO, conn.proto.clone());
-    h.insert(FORWARDED, conn.forwarded.clone());
+    match hop {
+        None => {
+            h.insert(X_FORWARDED_FOR, conn.xff.clone());
+            h.insert(X_REAL_IP, conn.xff.clone());
+            h.insert(X_FORWARDED_PROTO, conn.proto.clone());
+            h.insert(FORWARDED, conn.forwarded.clone());
+        }
+        Some(f) => {
+            h.insert(X_FORWARDED_FOR, f.xff);
+            h.insert(X_REAL_IP, f.client);
+            h.insert(X_FORWARDED_PROTO, f.proto);
+            h.insert(FORWARDED, f.forwarded);
+        }
+    }
     let tp = headers::traceparent(h.get(TRACEPARENT), trace);
     h.insert(TRACEPARENT, tp);
     h.insert(X_REQUEST_ID, ex.rid.clone());

@@ -101,6 +101,30 @@ pub struct Args {
     /// How often to report the routes a rollout compares, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub control_report_ms: u64,
+    /// The control plane's public signing key(s): a file of `ed25519:<hex>` lines (its
+    /// `signing.pub`). Required with `--control` and `--credentials-dir`; once given,
+    /// every snapshot, credentials version and delta, from the network or from disk, must
+    /// be signed by one of them.
+    #[arg(long, value_name = "FILE")]
+    pub control_key: Option<PathBuf>,
+    /// CA certificates (PEM) the certificate of an `https://` control plane is checked
+    /// against.
+    #[arg(long, value_name = "FILE")]
+    pub control_ca: Option<PathBuf>,
+    /// A directory (a shared volume or a mounted bucket) where the control plane writes
+    /// its signed credentials (`posternctl serve --publish-dir`): polled as the second
+    /// revocation path, for when the control plane's streams are down.
+    #[arg(long, value_name = "DIR", requires = "control_key")]
+    pub credentials_dir: Option<PathBuf>,
+    /// How often to read `--credentials-dir`, in seconds.
+    #[arg(long, default_value_t = postern_model::protocol::DROP_POLL_S)]
+    pub credentials_dir_poll_s: u64,
+    /// Addresses or CIDR ranges of the hops in front of this node (load balancers) whose
+    /// `X-Forwarded-For` and `X-Forwarded-Proto` are kept: the client is the rightmost
+    /// address in it that is not a trusted hop. From any other peer, every client-address
+    /// header is replaced by the peer's address. Repeat, or separate with commas.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR")]
+    pub trusted_hops: Vec<String>,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -291,23 +315,7 @@ impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<IO> {
 const IDLE_TICKS: u32 = 4;
 
 fn load_tls(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = CertificateDer::pem_file_iter(cert)
-        .with_context(|| format!("cannot read certificates from {}", cert.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("bad certificate in {}", cert.display()))?;
-    let key = PrivateKeyDer::from_pem_file(key)
-        .with_context(|| format!("cannot read a private key from {}", key.display()))?;
-    let mut config =
-        rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-            .with_safe_default_protocol_versions()
-            .context("TLS protocol versions")?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .context("certificate and key do not form a valid identity")?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
+    Ok(TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"h2", b"http/1.1"])?))
 }
 
 /// HTTP/1 and HTTP/2 settings of every client connection, each set explicitly
@@ -458,6 +466,7 @@ async fn accept_loop(
     pool: Pool,
     tls: Option<TlsAcceptor>,
     limits: ConnLimits,
+    hops: Arc<crate::forwarded::Hops>,
     mut stop: watch::Receiver<bool>,
 ) {
     let builder = http_builder();
@@ -481,7 +490,7 @@ async fn accept_loop(
             drop(stream);
             continue;
         };
-        let info = Arc::new(ConnInfo::new(pool, peer, tls.is_some()));
+        let info = Arc::new(ConnInfo::new(pool, peer, tls.is_some(), &hops));
         tokio::spawn(serve_conn(gw.clone(), builder.clone(), tls.clone(), stream, info, limits, slot, stop.clone()));
     }
 }
@@ -595,6 +604,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         format!("{}-{}-{:08x}", host.trim(), std::process::id(), fastrand::u32(..))
     });
     let mut builder = Builder::with_wasm(metrics.clone(), runtime, snapshot_dir.join("modules"));
+    anyhow::ensure!(
+        args.control.is_none() || args.control_key.is_some(),
+        "--control needs --control-key: the control plane's public key (its store's signing.pub), \
+         so this node takes only versions it signed"
+    );
+    let trust = match &args.control_key {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read the control key {}", path.display()))?;
+            let trust = postern_model::sign::Trust::parse(&text)
+                .map_err(|e| anyhow::anyhow!("control key {}: {e}", path.display()))?;
+            tracing::info!(key = %trust, "only versions signed by the control plane are taken");
+            Some(Arc::new(trust))
+        }
+        None => None,
+    };
+    if let Some(t) = &trust {
+        builder.require_signed(t.clone());
+    }
     let ratesync = if args.ratelimit_redis.is_empty() {
         None
     } else {
@@ -623,7 +651,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .to_owned(),
         None => args.control_token.clone().unwrap_or_default(),
     };
-    let control = args.control.as_ref().map(|url| crate::control_client::ControlSettings {
+    let control = args.control.as_ref().zip(trust.clone()).map(|(url, trust)| crate::control_client::ControlSettings {
         url: url.clone(),
         token: token.clone(),
         node_id: node_id.clone(),
@@ -632,6 +660,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         modules: snapshot_dir.join("modules"),
         canary: args.control_canary,
         report_every: Duration::from_millis(args.control_report_ms.max(50)),
+        ca: args.control_ca.clone(),
+        trust,
     });
     if let Some(c) = &control
         && !args.snapshot.exists()
@@ -647,7 +677,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
     let auth = builder.authenticator().clone();
     let body_idle = Duration::from_secs(args.idle_timeout_s.max(1));
-    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync, body_idle });
+    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync, body_idle, trust });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)
             .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;
@@ -672,14 +702,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     if let Some(c) = control {
-        crate::control_client::start(gw.clone(), builder.clone(), c);
+        crate::control_client::start(gw.clone(), builder.clone(), c)?;
+    }
+    if let Some(dir) = &args.credentials_dir {
+        let every = Duration::from_secs(args.credentials_dir_poll_s.max(1));
+        crate::control_client::watch_drop(gw.clone(), dir.clone(), every, credentials.clone());
     }
     let limits = ConnLimits::from_args(&args);
+    let hops = Arc::new(crate::forwarded::Hops::parse(&args.trusted_hops).map_err(|e| anyhow::anyhow!(e))?);
+    if !hops.is_empty() {
+        tracing::info!(hops = ?args.trusted_hops, "X-Forwarded-For kept from trusted hops");
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let watch_every = Duration::from_millis(args.watch_interval_ms.max(10));
     let tasks = [
-        tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, stop_rx.clone())),
-        tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, stop_rx.clone())),
+        tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, hops.clone(), stop_rx.clone())),
+        tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
         tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];

@@ -180,6 +180,8 @@ pub struct Builder {
     node: Node,
     wasm: Option<Arc<postern_wasm::Runtime>>,
     modules_dir: PathBuf,
+    /// The control plane keys snapshots must be signed by (none: any snapshot file).
+    trust: Option<Arc<postern_model::sign::Trust>>,
 }
 
 /// Verified access tokens kept per node.
@@ -229,6 +231,7 @@ impl Builder {
             node: new_node(),
             wasm: None,
             modules_dir: PathBuf::new(),
+            trust: None,
         }
     }
 
@@ -242,7 +245,13 @@ impl Builder {
             node: new_node(),
             wasm: Some(runtime),
             modules_dir,
+            trust: None,
         }
+    }
+
+    /// Refuses, from now on, every snapshot not signed by one of `trust`'s keys.
+    pub fn require_signed(&mut self, trust: Arc<postern_model::sign::Trust>) {
+        self.trust = Some(trust);
     }
 
     /// Replaces the node's rate limiter (before any snapshot is built), e.g. with one in
@@ -288,6 +297,7 @@ impl Builder {
     /// Reads, checks and builds a snapshot file's bytes.
     pub fn build_bytes(&self, bytes: &[u8]) -> Result<Live, BuildError> {
         let (file, snapshot) = SnapshotFile::open(bytes)?;
+        file.verify(postern_model::protocol::Lane::Snapshot, self.trust.as_deref())?;
         self.build(file.version, file.hash, &snapshot)
     }
 

@@ -35,6 +35,8 @@ fn routes(tag: &str, extra_route: bool) -> String {
 struct ControlPlane {
     child: Child,
     url: String,
+    /// The CA its `https://` URL is checked against.
+    ca: Option<std::path::PathBuf>,
 }
 
 impl Drop for ControlPlane {
@@ -57,6 +59,10 @@ fn write_tokens(dir: &Path) -> std::path::PathBuf {
         {"name": "node-a", "role": "node:node-a", "sha256": h(NODE_A_TOKEN)},
     ]);
     std::fs::write(&path, text.to_string()).unwrap();
+    // The control plane's signing key, beside the tokens; nodes pin its public half.
+    let signer = postern_model::sign::Signer::generate().unwrap();
+    std::fs::write(dir.join("control.key"), signer.to_text()).unwrap();
+    std::fs::write(dir.join("control.pub"), format!("{}\n", signer.public())).unwrap();
     path
 }
 
@@ -68,6 +74,8 @@ fn serve(repo: &Path, store: &str, tokens: &Path, extra: &[&str]) -> ControlPlan
         .args(extra)
         .arg("--tokens")
         .arg(tokens)
+        .arg("--signing-key")
+        .arg(tokens.with_file_name("control.key"))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -75,13 +83,30 @@ fn serve(repo: &Path, store: &str, tokens: &Path, extra: &[&str]) -> ControlPlan
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert!(!line.trim().is_empty(), "serve printed no address");
-    ControlPlane { child, url: format!("http://{}", line.trim()) }
+    ControlPlane { child, url: format!("http://{}", line.trim()), ca: None }
+}
+
+/// `serve` on HTTPS with a certificate for `localhost` (written to `dir`, which also
+/// holds the CA nodes and the CLI trust).
+fn serve_tls(repo: &Path, store: &str, tokens: &Path, dir: &Path, extra: &[&str]) -> ControlPlane {
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key) = (dir.join("cp.crt"), dir.join("cp.key"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+    let mut args = vec!["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let mut cp = serve(repo, store, tokens, &args);
+    let port = cp.url.rsplit(':').next().unwrap().to_owned();
+    cp.url = format!("https://localhost:{port}");
+    cp.ca = Some(cert);
+    cp
 }
 
 fn ctl(cp: &ControlPlane, args: &[&str]) -> serde_json::Value {
     let out = Command::new(bin("posternctl"))
         .args(args)
         .args(["--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .args(cp.ca.iter().flat_map(|ca| [std::ffi::OsStr::new("--control-ca"), ca.as_os_str()]))
         .output()
         .expect("posternctl");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -91,12 +116,29 @@ fn ctl(cp: &ControlPlane, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(json).unwrap_or(serde_json::Value::Null)
 }
 
+/// A node of the control plane at `cp_url`, in `dir` (a folder of the test's work
+/// directory, whose `control.pub` it pins).
 fn start_node(cp_url: &str, dir: &Path, name: &str) -> Node {
+    start_node_with(cp_url, dir, name, &[])
+}
+
+fn start_node_with(cp_url: &str, dir: &Path, name: &str, extra: &[&str]) -> Node {
     std::fs::create_dir_all(dir).unwrap();
-    Node::start(
-        &dir.join("snapshot.json"),
-        &["--control", cp_url, "--control-token", NODE_TOKEN, "--node-id", name, "--control-report-ms", "200"],
-    )
+    let key = dir.parent().unwrap().join("control.pub");
+    let mut args = vec![
+        "--control",
+        cp_url,
+        "--control-token",
+        NODE_TOKEN,
+        "--node-id",
+        name,
+        "--control-report-ms",
+        "200",
+        "--control-key",
+        key.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    Node::start(&dir.join("snapshot.json"), &args)
 }
 
 async fn wait_for(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
@@ -653,4 +695,168 @@ async fn a_delta_never_leaves_a_node_unlike_the_whole_version() {
     assert!(lines.iter().all(|(delta, _)| !*delta), "the node took a delta: {lines:?}\n{}", node.log());
     let apps_before = credentials_lines(&node, v).first().map(|l| l.1.clone());
     assert!(lines.iter().all(|(_, apps)| Some(apps) != apps_before.as_ref() && !apps.is_empty()), "{lines:?}");
+}
+
+/// Starts `postern` with `args` and returns what it said on stderr when it stopped: it
+/// must refuse to start (a node that keeps running fails the test after 20 s).
+fn refused_at_start(args: &[&std::ffi::OsStr]) -> String {
+    let mut child = Command::new(bin("postern"))
+        .args(["--public", "127.0.0.1:0", "--partner", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("postern {args:?} started; it should have refused");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The same envelope with another version number: its hash still matches its content,
+/// only the signature can tell.
+fn renumbered(text: &str, to: u64) -> String {
+    let v: serde_json::Value = serde_json::from_str(text).unwrap();
+    let from = v["version"].as_u64().unwrap();
+    let out = text.replacen(&format!("\"version\":{from}"), &format!("\"version\":{to}"), 1);
+    assert_ne!(out, text);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_take_only_versions_the_control_plane_signed_over_tls_from_the_network_and_from_disk() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let store = work.path().join("store");
+    let cp = serve_tls(repo.path(), store.to_str().unwrap(), &tokens, work.path(), &["--dwell", "0s"]);
+    assert!(cp.url.starts_with("https://"));
+    assert_eq!(ctl(&cp, &["publish"])["snapshot"]["version"], 1);
+    let ca = cp.ca.clone().unwrap();
+    let node = start_node_with(&cp.url, &work.path().join("n0"), "node-0", &["--control-ca", ca.to_str().unwrap()]);
+    assert_eq!(get(&node.url("/r"), &[]).await.header("x-tag"), Some("one"));
+    let snapshot = std::fs::read_to_string(work.path().join("n0/snapshot.json")).unwrap();
+    assert!(snapshot.contains("\"sig\":\"ed25519:"), "{snapshot}");
+    let credentials = std::fs::read_to_string(work.path().join("n0/credentials.json")).unwrap();
+    assert!(credentials.contains("\"sig\":\"ed25519:"), "{credentials}");
+
+    // The CLI without the CA cannot talk to it: the certificate is checked.
+    let out = Command::new(bin("posternctl"))
+        .args(["status", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .env_remove("POSTERN_CONTROL_CA")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+
+    // From disk: a node pinning the key refuses an unsigned snapshot (as `posternctl
+    // compile` writes) and a signed one renumbered; a node of a control plane must pin.
+    let key = work.path().join("control.pub");
+    let unsigned = work.path().join("unsigned.json");
+    repo.compile_ok(&unsigned);
+    let why =
+        refused_at_start(&["--snapshot".as_ref(), unsigned.as_os_str(), "--control-key".as_ref(), key.as_os_str()]);
+    assert!(why.contains("unsigned"), "{why}");
+    let forged = work.path().join("forged.json");
+    std::fs::write(&forged, renumbered(&snapshot, 9)).unwrap();
+    let why = refused_at_start(&["--snapshot".as_ref(), forged.as_os_str(), "--control-key".as_ref(), key.as_os_str()]);
+    assert!(why.contains("bad signature"), "{why}");
+    let why = refused_at_start(&["--snapshot".as_ref(), forged.as_os_str(), "--control".as_ref(), cp.url.as_ref()]);
+    assert!(why.contains("--control-key"), "{why}");
+
+    // A credentials file renumbered in the node's own folder is refused while it runs.
+    let live = async || get(&node.admin_url("/readyz"), &[]).await.json()["credentials"]["version"].clone();
+    let before = live().await;
+    std::fs::write(work.path().join("n0/credentials.json"), renumbered(&credentials, 99)).unwrap();
+    wait_for("the forged credentials to be refused", Duration::from_secs(10), async || {
+        node.log().contains("credentials refused") && node.log().contains("bad signature")
+    })
+    .await;
+    assert_eq!(live().await, before);
+
+    // From the network: a node pinning this control plane's key, booted from its signed
+    // snapshot, streaming from another control plane (its own key) refuses its versions
+    // and says why in its NACK.
+    let other = tempfile::tempdir().unwrap();
+    let tokens2 = write_tokens(other.path());
+    let cp2 = serve(repo.path(), other.path().join("store").to_str().unwrap(), &tokens2, &["--dwell", "0s"]);
+    assert_eq!(ctl(&cp2, &["publish"])["snapshot"]["version"], 1);
+    repo.write("teams/t/routes.yaml", &routes("two", false));
+    assert_eq!(ctl(&cp2, &["publish"])["snapshot"]["version"], 2);
+    std::fs::create_dir_all(work.path().join("n1")).unwrap();
+    std::fs::write(work.path().join("n1/snapshot.json"), &snapshot).unwrap();
+    let stranger = start_node(&cp2.url, &work.path().join("n1"), "node-1");
+    wait_for("the NACK of a version signed by another key", Duration::from_secs(10), async || {
+        ctl(&cp2, &["status"]).to_string().contains("bad signature")
+    })
+    .await;
+    assert_eq!(stranger.version().await, 1);
+    assert_eq!(get(&stranger.url("/r"), &[]).await.header("x-tag"), Some("one"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_reaches_every_node_through_the_signed_directory_when_their_control_plane_is_gone() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let store = work.path().join("store");
+    let drop_dir = work.path().join("drop");
+    std::fs::create_dir_all(&drop_dir).unwrap();
+    let flags = ["--dwell", "0s", "--publish-dir", drop_dir.to_str().unwrap()];
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &flags);
+    ctl(&cp, &["publish"]);
+    let new_key = |cp: &ControlPlane, id: &str| {
+        let out = Command::new(bin("posternctl"))
+            .args(["key", "new", "--id", id, "--app", "app-l", "--tenant", "acme", "--plan", "gold"])
+            .args(["--control", cp.url.as_str(), "--token", PLATFORM_TOKEN])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let leaked = new_key(&cp, "k-leaked");
+    let poll = ["--credentials-dir", drop_dir.to_str().unwrap(), "--credentials-dir-poll-s", "1"];
+    let nodes: Vec<Node> = (0..2)
+        .map(|i| start_node_with(&cp.url, &work.path().join(format!("n{i}")), &format!("node-{i}"), &poll))
+        .collect();
+    for n in &nodes {
+        assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status, StatusCode::OK);
+    }
+    // The control plane the nodes stream from dies. The key service runs again elsewhere
+    // (a second instance on the same store, same key) and the leaked key is revoked: the
+    // nodes' streams still point at the dead one, so only the directory can carry it.
+    let dead_url = cp.url.clone();
+    drop(cp);
+    let cp2 = serve(repo.path(), store.to_str().unwrap(), &tokens, &flags);
+    assert_ne!(cp2.url, dead_url);
+    let t = Instant::now();
+    let out = Command::new(bin("posternctl"))
+        .args(["key", "revoke", "--key", &leaked, "--control", cp2.url.as_str(), "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for n in &nodes {
+        wait_for("the revocation from the directory", Duration::from_secs(5), async || {
+            get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status == StatusCode::UNAUTHORIZED
+        })
+        .await;
+        assert!(n.log().contains("credentials taken from the publish directory"), "{}", n.log());
+    }
+    eprintln!("revocation on 2 nodes through the directory in {} ms (poll every 1 s)", t.elapsed().as_millis());
+
+    // A file in the directory the control plane did not sign is refused, and changes nothing.
+    let path = drop_dir.join("credentials.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    drop(cp2);
+    std::fs::write(&path, renumbered(&text, 1000)).unwrap();
+    for n in &nodes {
+        wait_for("the forged file to be refused", Duration::from_secs(5), async || {
+            n.log().contains("publish directory: credentials refused")
+        })
+        .await;
+        assert!(n.log().contains("bad signature"), "{}", n.log());
+        assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status, StatusCode::UNAUTHORIZED);
+    }
 }

@@ -245,6 +245,39 @@ async fn headers_a_backend_might_trust_are_never_the_clients() {
     assert_eq!(echoed(&v, "x-keep"), ["yes"]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_hop_names_the_client_and_no_one_else_does() {
+    // The test's connections come from 127.0.0.1: trusted here, as a load balancer would be.
+    let f = fixture(None, "", &[], &["--trusted-hops", "127.0.0.0/8,10.0.0.0/8"]);
+    let a = raw_req(
+        f.node.public,
+        "GET /public HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-forwarded-for: 198.51.100.9, 203.0.113.5\r\nx-forwarded-for: 10.1.2.3\r\nx-forwarded-proto: https\r\nx-real-ip: 192.0.2.1\r\ntrue-client-ip: 192.0.2.2\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&a), 200, "{a}");
+    let v = body_json(&a);
+    // The rightmost address that is not a trusted hop; what the client wrote left of it
+    // (198.51.100.9) is its own claim. Other client-address headers are still replaced.
+    assert_eq!(echoed(&v, "x-real-ip"), ["203.0.113.5"]);
+    assert_eq!(echoed(&v, "x-forwarded-for"), ["198.51.100.9, 203.0.113.5, 10.1.2.3, 127.0.0.1"]);
+    assert_eq!(echoed(&v, "forwarded"), ["for=203.0.113.5;proto=https"]);
+    assert_eq!(echoed(&v, "x-forwarded-proto"), ["https"]);
+    let names: Vec<&str> = v["headers"].as_array().unwrap().iter().filter_map(|h| h[0].as_str()).collect();
+    assert!(!names.contains(&"true-client-ip"), "{names:?}");
+
+    // A node that trusts other hops only: the peer's address, whatever the client says.
+    let g = fixture(None, "", &[], &["--trusted-hops", "10.0.0.0/8"]);
+    let b = raw_req(
+        g.node.public,
+        "GET /public HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-forwarded-for: 203.0.113.5\r\nx-forwarded-proto: https\r\n\r\n",
+    )
+    .await;
+    let v = body_json(&b);
+    assert_eq!(echoed(&v, "x-real-ip"), ["127.0.0.1"]);
+    assert_eq!(echoed(&v, "x-forwarded-for"), ["127.0.0.1"]);
+    assert_eq!(echoed(&v, "x-forwarded-proto"), ["http"]);
+}
+
 /// Whether the node closes a connection on which nothing is sent, within `within`.
 async fn closed_within(port: u16, hello: &[u8], within: Duration) -> bool {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();

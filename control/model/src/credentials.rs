@@ -21,6 +21,20 @@ pub struct Sealed {
     pub version: u64,
     /// `sha256:<hex>` of the content.
     pub hash: String,
+    /// The control plane's signature, if any.
+    pub sig: Option<String>,
+}
+
+impl Sealed {
+    /// Checks the signature as a credentials version when `key` is pinned.
+    pub fn verify(&self, key: Option<&crate::sign::Trust>) -> Result<(), SnapshotError> {
+        let subject = crate::sign::Subject::Whole {
+            lane: crate::protocol::Lane::Credentials,
+            version: self.version,
+            hash: &self.hash,
+        };
+        Ok(crate::sign::check(key, &subject, self.sig.as_deref())?)
+    }
 }
 
 /// The sealed envelope, with its content borrowed from the bytes read.
@@ -29,6 +43,8 @@ pub struct Sealed {
 struct EnvelopeRef<'a> {
     version: u64,
     hash: String,
+    #[serde(default)]
+    sig: Option<String>,
     #[serde(borrow)]
     content: &'a RawValue,
 }
@@ -140,7 +156,7 @@ impl Credentials {
         if creds.schema != CREDENTIALS_SCHEMA {
             return Err(SnapshotError::Schema(creds.schema));
         }
-        Ok((Sealed { version: file.version, hash: file.hash }, creds))
+        Ok((Sealed { version: file.version, hash: file.hash, sig: file.sig }, creds))
     }
 }
 
@@ -318,9 +334,39 @@ pub struct CredentialsDelta {
 pub struct DeltaDoc {
     /// The change.
     pub delta: CredentialsDelta,
+    /// The control plane's signature over base, version and the delta's JSON.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sig: Option<String>,
 }
 
 impl DeltaDoc {
+    /// `delta`, signed by `signer` when there is one.
+    pub fn new(delta: CredentialsDelta, signer: Option<&crate::sign::Signer>) -> Result<DeltaDoc, serde_json::Error> {
+        let mut doc = DeltaDoc { delta, sig: None };
+        if let Some(signer) = signer {
+            let hash = doc.hash()?;
+            doc.sig = Some(signer.sign(&doc.subject(&hash)));
+        }
+        Ok(doc)
+    }
+
+    /// The hash a signature covers: of the delta serialised (a function of its value, so
+    /// the node computes it again from what it parsed).
+    fn hash(&self) -> Result<String, serde_json::Error> {
+        Ok(content_hash(&serde_json::to_vec(&self.delta)?))
+    }
+
+    fn subject<'a>(&self, hash: &'a str) -> crate::sign::Subject<'a> {
+        crate::sign::Subject::Delta { base: self.delta.base, version: self.delta.version, hash }
+    }
+
+    /// Checks the signature when `key` is pinned.
+    pub fn verify(&self, key: Option<&crate::sign::Trust>) -> Result<(), SnapshotError> {
+        let Some(key) = key else { return Ok(()) };
+        let hash = self.hash()?;
+        Ok(key.verify(&self.subject(&hash), self.sig.as_deref())?)
+    }
+
     /// The delta in `bytes`, if they hold one (`None`: a sealed envelope or garbage).
     pub fn parse(bytes: &[u8]) -> Option<Result<DeltaDoc, serde_json::Error>> {
         let head = bytes.iter().position(|b| !b.is_ascii_whitespace()).map_or(&[][..], |i| &bytes[i..]);

@@ -18,6 +18,9 @@ pub mod disk;
 pub mod path;
 pub mod protocol;
 pub mod report;
+pub mod sign;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod wasm;
 
 /// Version of the snapshot format; a node refuses a snapshot with another one.
@@ -37,6 +40,9 @@ pub struct SnapshotFile {
     pub version: u64,
     /// `sha256:<hex>` of the exact bytes of `content`.
     pub hash: String,
+    /// The control plane's signature over lane, version and hash ([`sign`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sig: Option<String>,
     /// The [`Snapshot`], as the bytes that were hashed.
     pub content: Box<RawValue>,
 }
@@ -55,6 +61,9 @@ pub enum SnapshotError {
         /// Hash of the content as read.
         actual: String,
     },
+    /// Unsigned or mis-signed, on a node that pins the control plane's key.
+    #[error(transparent)]
+    Signature(#[from] sign::SignatureError),
     /// Written by an incompatible control plane.
     #[error("snapshot schema {0} is not supported (this node reads schema {SCHEMA_VERSION})")]
     Schema(u32),
@@ -84,7 +93,22 @@ impl SnapshotFile {
     /// Wraps any serialisable content into an envelope numbered `version`.
     pub fn seal_value<T: Serialize>(version: u64, content: &T) -> Result<SnapshotFile, serde_json::Error> {
         let content = serde_json::value::to_raw_value(content)?;
-        Ok(SnapshotFile { version, hash: content_hash(content.get().as_bytes()), content })
+        Ok(SnapshotFile { version, hash: content_hash(content.get().as_bytes()), sig: None, content })
+    }
+
+    /// What this envelope's signature vouches for, as a version of `lane`.
+    pub fn subject(&self, lane: protocol::Lane) -> sign::Subject<'_> {
+        sign::Subject::Whole { lane, version: self.version, hash: &self.hash }
+    }
+
+    /// Signs this envelope as a version of `lane`.
+    pub fn sign(&mut self, lane: protocol::Lane, signer: &sign::Signer) {
+        self.sig = Some(signer.sign(&self.subject(lane)));
+    }
+
+    /// Checks the signature as a version of `lane` when `key` is pinned.
+    pub fn verify(&self, lane: protocol::Lane, key: Option<&sign::Trust>) -> Result<(), SnapshotError> {
+        Ok(sign::check(key, &self.subject(lane), self.sig.as_deref())?)
     }
 
     /// Parses an envelope, checks its hash and schema, and returns it with its content.

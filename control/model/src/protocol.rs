@@ -10,6 +10,13 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The file a control plane keeps at its credentials head in a publish directory, and
+/// nodes poll there (`postern --credentials-dir`).
+pub const DROP_CREDENTIALS: &str = "credentials.json";
+
+/// How often nodes read the publish directory by default, in seconds.
+pub const DROP_POLL_S: u64 = 60;
+
 /// The longest a long poll may wait, in seconds.
 pub const MAX_WAIT_S: u64 = 60;
 /// How long a node's long poll waits by default, in seconds.
