@@ -856,7 +856,7 @@ fn run_samples(
             headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             body: r.body.as_ref().map(|b| b.clone().into_bytes()),
         };
-        let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req) {
+        let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req, &cx.paths) {
             Ok(r) => r,
             Err(e) => {
                 cx.error(manifest_path, field, format!("{:?}: cannot run: {e:#}", case.name), Some(team));
@@ -876,7 +876,10 @@ fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Va
     let decision = got["decision"].as_str().unwrap_or("none");
     let describe = |v: &serde_json::Value| match v["decision"].as_str() {
         Some("respond") => format!("respond {}", v["status"]),
-        Some("failed") => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
+        Some("failed") => match v["rule"].as_str() {
+            Some(rule) => format!("failed (bad_output: the answer breaks the rule {rule})"),
+            None => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
+        },
         Some(d) => d.to_owned(),
         None => "nothing".to_owned(),
     };

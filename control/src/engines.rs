@@ -89,15 +89,17 @@ impl Sandbox {
     }
 
     /// Runs one sample request through the module in the real sandbox, with `config` and
-    /// `limits`: the report of every phase that ran (as `posternctl filter run` prints it).
+    /// `limits`: the report of every phase that ran (as `posternctl filter run` prints it),
+    /// path edits checked under `paths`.
     pub fn run_sample(
         &mut self,
         module: &Arc<Module>,
         config: &serde_json::Value,
         limits: Limits,
         req: &crate::filter_run::RunRequest,
+        paths: &postern_model::path::PathPolicy,
     ) -> anyhow::Result<serde_json::Value> {
         let rt = self.runtime()?;
-        crate::filter_run::run_loaded(&rt, module, config, limits, req)
+        crate::filter_run::run_loaded(&rt, module, config, limits, req, paths)
     }
 }

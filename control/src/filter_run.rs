@@ -5,9 +5,11 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use postern_model::path::PathPolicy;
 use postern_model::wasm::Limits;
+use postern_wasm::output::{self, Rule};
 use postern_wasm::runtime::types;
-use postern_wasm::{Binding, FilterStats, LoadError, Module, Runtime, RuntimeConfig};
+use postern_wasm::{Binding, FilterStats, LoadError, Module, Outcome, Runtime, RuntimeConfig};
 
 /// One request to run a filter on.
 #[derive(Debug, Clone)]
@@ -44,7 +46,23 @@ fn decision_json(d: &types::Decision) -> serde_json::Value {
     }
 }
 
+/// The report of an answer the node would refuse: the rule it broke, with the answer.
+fn refused(rule: Rule, answer: Option<serde_json::Value>) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "decision": "failed",
+        "outcome": "bad_output",
+        "rule": rule.as_str(),
+        "error": rule.describe(),
+    });
+    if let Some(a) = answer {
+        v["answer"] = a;
+    }
+    v
+}
+
 /// Runs `module` on `req` with `config` under `limits`; returns a JSON report per phase.
+/// Its answers are checked by the node's rules ([`postern_wasm::output`]), path edits
+/// under the default path policy.
 pub fn run(
     module: &Path,
     config: &serde_json::Value,
@@ -56,16 +74,18 @@ pub fn run(
     let runtime = Runtime::new(&RuntimeConfig { max_instances: 4, ..Default::default() })?;
     let bytes = std::fs::read(module).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", module.display()))?;
     let m = runtime.load(&bytes, None)?;
-    run_loaded(&runtime, &m, config, limits, req)
+    run_loaded(&runtime, &m, config, limits, req, &PathPolicy::default())
 }
 
-/// Runs a module already loaded in `runtime` (as [`run`] does).
+/// Runs a module already loaded in `runtime` (as [`run`] does), checking path edits
+/// under `paths`.
 pub fn run_loaded(
     runtime: &Runtime,
     m: &Arc<Module>,
     config: &serde_json::Value,
     limits: Limits,
     req: &RunRequest,
+    paths: &PathPolicy,
 ) -> anyhow::Result<serde_json::Value> {
     let (path, query) = match req.path.split_once('?') {
         Some((p, q)) => (p, Some(q)),
@@ -92,9 +112,14 @@ pub fn run_loaded(
     let stats = Arc::new(FilterStats::default());
     let tag: Arc<str> = Arc::from("local");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let report = |phase: &str, call: postern_wasm::runtime::Call<types::Decision>| {
+    // As the node does: the runtime checks sizes, the rest of the rules follow.
+    let report = |phase: &str, call: &postern_wasm::runtime::Call<types::Decision>| {
         let mut v = match &call.result {
-            Ok(d) => decision_json(d),
+            Ok(d) => match output::check_decision(d, &limits, Some(paths)) {
+                Ok(()) => decision_json(d),
+                Err(rule) => refused(rule, Some(decision_json(d))),
+            },
+            Err(Outcome::BadOutput(rule)) => refused(*rule, None),
             Err(o) => serde_json::json!({"decision": "failed", "outcome": o.as_str()}),
         };
         v["phase"] = phase.into();
@@ -104,11 +129,12 @@ pub fn run_loaded(
     };
     let binding = Binding { module: prepared.clone(), limits, config: config.clone(), stats, tag };
     let first = rt.block_on(runtime.on_request(&binding, wit_req.clone(), cx.clone()));
-    let forwarded = matches!(first.result, Ok(types::Decision::Continue(_)));
-    let mut phases = vec![report("request", first)];
+    let first = report("request", &first);
+    let forwarded = first["decision"] == "continue";
+    let mut phases = vec![first];
     if let (true, Some(body)) = (forwarded, &req.body) {
         let call = rt.block_on(runtime.on_request_body(&binding, wit_req, body, cx));
-        phases.push(report("request_body", call));
+        phases.push(report("request_body", &call));
     }
     let failed = phases.iter().any(|p| p["decision"] == "failed");
     let pre_initialised = !Arc::ptr_eq(&prepared, m);

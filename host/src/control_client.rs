@@ -89,6 +89,8 @@ pub fn watch_drop(gw: Arc<Gateway>, dir: PathBuf, every: Duration, credentials: 
             let (gw, path, credentials) = (gw.clone(), path.clone(), credentials.clone());
             let done = tokio::task::spawn_blocking(move || {
                 let bytes = std::fs::read(&path).map_err(|e| e.to_string())?;
+                // One writer of the live state and its file at a time: the lanes and this.
+                let _one = gw.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
                 let applied = live::apply_credentials_if(&gw, &bytes, |offered, live| offered > live)
                     .map_err(|e| e.to_string())?;
                 if applied {
@@ -266,20 +268,24 @@ async fn apply(
                 if running(gw, Lane::Credentials) >= doc.delta.version {
                     return Ok(());
                 }
-                let gw2 = gw.clone();
-                tokio::task::spawn_blocking(move || live::apply_credentials_delta(&gw2, &doc))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-                live::persist_delta(&settings.credentials, &bytes).map_err(|e| e.to_string())
+                let (gw2, path, b2) = (gw.clone(), settings.credentials.clone(), bytes.clone());
+                tokio::task::spawn_blocking(move || {
+                    let _one = gw2.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
+                    live::apply_credentials_delta(&gw2, &doc).map_err(|e| e.to_string())?;
+                    live::persist_delta(&path, &b2).map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|e| e.to_string())?
             }
             None => {
-                let (gw2, b2) = (gw.clone(), bytes.clone());
-                tokio::task::spawn_blocking(move || live::apply_credentials(&gw2, &b2))
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-                live::persist_credentials(&settings.credentials, &bytes).map_err(|e| e.to_string())
+                let (gw2, path, b2) = (gw.clone(), settings.credentials.clone(), bytes.clone());
+                tokio::task::spawn_blocking(move || {
+                    let _one = gw2.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
+                    live::apply_credentials(&gw2, &b2).map_err(|e| e.to_string())?;
+                    live::persist_credentials(&path, &b2).map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|e| e.to_string())?
             }
         },
     }

@@ -42,7 +42,7 @@ pub enum ProxyError {
     #[error("{0}")]
     InvalidPath(&'static str),
     /// A filter edited the path into one that is not canonical.
-    #[error("a filter's path edit is refused: {0}")]
+    #[error("a filter's path edit is refused: it breaks the rule path_canonical: {0}")]
     FilterPath(&'static str),
     /// The backend answered with something the gateway never relays (an unsolicited
     /// `101`, another `1xx`).

@@ -42,6 +42,10 @@ pub struct Gateway {
     /// The control plane keys credential versions and deltas must be signed by (none:
     /// any credentials file).
     pub trust: Option<Arc<postern_model::sign::Trust>>,
+    /// Held while a credential state is applied and written to disk, so two writers (the
+    /// control plane's lane, the publish directory) never interleave: the file always
+    /// holds the live version, or the one before it and the delta log.
+    pub credentials_writer: std::sync::Mutex<()>,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -321,20 +325,7 @@ async fn forward<'l>(
     let h = &mut parts.headers;
     h.insert(X_FORWARDED_HOST, host.clone());
     h.insert(HOST, host);
-    match hop {
-        None => {
-            h.insert(X_FORWARDED_FOR, conn.xff.clone());
-            h.insert(X_REAL_IP, conn.xff.clone());
-            h.insert(X_FORWARDED_PROTO, conn.proto.clone());
-            h.insert(FORWARDED, conn.forwarded.clone());
-        }
-        Some(f) => {
-            h.insert(X_FORWARDED_FOR, f.xff);
-            h.insert(X_REAL_IP, f.client);
-            h.insert(X_FORWARDED_PROTO, f.proto);
-            h.insert(FORWARDED, f.forwarded);
-        }
-    }
+    set_forwarding(h, conn, hop.as_ref());
     let tp = headers::traceparent(h.get(TRACEPARENT), trace);
     h.insert(TRACEPARENT, tp);
     h.insert(X_REQUEST_ID, ex.rid.clone());
@@ -353,6 +344,10 @@ async fn forward<'l>(
         };
         if let Some(cx) = cx {
             run_body_filters(route, &mut parts, &bytes, cx).await?;
+            // The body phase edits the request as it goes upstream: its path must be
+            // canonical too, and the forwarding headers stay the gateway's.
+            crate::canon::check_edited_path(&parts, &live.paths)?;
+            set_forwarding(&mut parts.headers, conn, hop.as_ref());
         }
         parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         UpstreamBody::Full(Some(bytes))
@@ -384,6 +379,25 @@ async fn forward<'l>(
     }
     let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle), permit: Some(permit) };
     Ok(Response::from_parts(rp, body))
+}
+
+/// The forwarding headers the backend is told: from the connection, or from a trusted
+/// hop's chain.
+fn set_forwarding(h: &mut http::HeaderMap, conn: &ConnInfo, hop: Option<&crate::forwarded::Forwarding>) {
+    match hop {
+        None => {
+            h.insert(X_FORWARDED_FOR, conn.xff.clone());
+            h.insert(X_REAL_IP, conn.xff.clone());
+            h.insert(X_FORWARDED_PROTO, conn.proto.clone());
+            h.insert(FORWARDED, conn.forwarded.clone());
+        }
+        Some(f) => {
+            h.insert(X_FORWARDED_FOR, f.xff.clone());
+            h.insert(X_REAL_IP, f.client.clone());
+            h.insert(X_FORWARDED_PROTO, f.proto.clone());
+            h.insert(FORWARDED, f.forwarded.clone());
+        }
+    }
 }
 
 #[cfg(test)]

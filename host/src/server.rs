@@ -554,7 +554,11 @@ async fn watch_snapshot(
         if (forced || now != cred_stamp) && now.is_some() {
             cred_stamp = now;
             let (gw, credentials) = (gw.clone(), credentials.clone());
-            let _ = tokio::task::spawn_blocking(move || live::reload_credentials(&gw, &credentials)).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                let _one = gw.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
+                live::reload_credentials(&gw, &credentials)
+            })
+            .await;
         }
         let now = file_stamp(&path);
         if forced || now != stamp {
@@ -677,7 +681,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
     let auth = builder.authenticator().clone();
     let body_idle = Duration::from_secs(args.idle_timeout_s.max(1));
-    let gw = Arc::new(Gateway { live: ArcSwap::from_pointee(live), metrics, auth, ratesync, body_idle, trust });
+    let gw = Arc::new(Gateway {
+        live: ArcSwap::from_pointee(live),
+        metrics,
+        auth,
+        ratesync,
+        body_idle,
+        trust,
+        credentials_writer: std::sync::Mutex::new(()),
+    });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)
             .map_err(|e| anyhow::anyhow!("credentials {} refused: {e}", credentials.display()))?;

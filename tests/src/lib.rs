@@ -464,7 +464,8 @@ fn copy_dir(src: &Path, dst: &Path) {
 pub mod wasm_fixture {
     use super::{Echo, Node, Repo, add_filter, filter_wasm, platform};
 
-    /// (crate, limits, expected outcome in the problem detail)
+    /// (crate, limits, expected outcome in the problem detail: a refused answer names the
+    /// rule it broke)
     pub const HOSTILE: &[(&str, &str, &str)] = &[
         ("loop-forever", "{ fuel: 5000000, deadline_ms: 50 }", "fuel_exhausted"),
         ("memory-bomb", "{ memory_bytes: 8388608, fuel: 100000000, deadline_ms: 50 }", "memory_limit"),
@@ -472,8 +473,16 @@ pub mod wasm_fixture {
         ("trap", "{}", "trap"),
         ("guest-panic", "{}", "guest_panic"),
         ("std-panic", "{}", "guest_panic"),
-        ("huge-header", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
-        ("huge-body", "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }", "bad_output"),
+        (
+            "huge-header",
+            "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }",
+            "bad_output: its answer broke the rule header_count",
+        ),
+        (
+            "huge-body",
+            "{ memory_bytes: 67108864, fuel: 100000000, deadline_ms: 50 }",
+            "bad_output: its answer broke the rule body_size",
+        ),
         ("host-call-flood", "{ fuel: 100000000, deadline_ms: 50 }", "host_call_limit"),
     ];
 

@@ -30,7 +30,7 @@ async fn hostile_filters_fail_closed_with_defined_outcomes() {
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{name}: {:?}", r.body);
         assert_eq!(r.json()["code"], "filter_failed", "{name}");
         let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
-        assert!(detail.ends_with(outcome), "{name}: expected {outcome}, got {detail:?}");
+        assert!(detail.contains(outcome), "{name}: expected {outcome}, got {detail:?}");
         assert!(took < Duration::from_secs(2), "{name} took {took:?}");
         // Bounded by its deadline: interrupted at the first 1 ms tick past it at the latest,
         // plus the request's own way through a debug build on a shared machine.

@@ -56,7 +56,7 @@ async fn modules_importing_files_or_sockets_are_refused() {
 }
 
 #[test]
-fn posternctl_filter_run_tests_a_build_in_the_real_sandbox() {
+fn posternctl_filter_run_tests_a_build_in_the_real_sandbox_and_refuses_what_the_node_refuses() {
     let run = |name: &str, extra: &[&str]| {
         std::process::Command::new(postern_e2e::bin("posternctl"))
             .args(["filter", "run"])
@@ -87,6 +87,21 @@ fn posternctl_filter_run_tests_a_build_in_the_real_sandbox() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["phases"][0]["decision"], "respond");
     assert_eq!(v["phases"][0]["status"], 401);
+
+    // What the node refuses, `filter run` refuses too, naming the same rule.
+    let out = run("huge-header", &["--limits", r#"{"memory_bytes": 67108864, "fuel": 100000000, "deadline_ms": 50}"#]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["outcome"], "bad_output");
+    assert_eq!(v["phases"][0]["rule"], "header_count");
+    for name in ["x-auth-subject", "x_auth_subject", "content-length"] {
+        let cfg = format!(r#"{{"set": {{"{name}": "admin"}}}}"#);
+        let out = run("header-injector", &["--config", &cfg, "--limits", limits]);
+        assert_eq!(out.status.code(), Some(1), "{name}: {}", String::from_utf8_lossy(&out.stdout));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["phases"][0]["rule"], "reserved_header", "{name}: {v}");
+        assert_eq!(v["ok"], false);
+    }
 
     let out = run("well-behaved", &["--limits", r#"{"fuel": 1000000000000}"#]);
     assert_eq!(out.status.code(), Some(2));

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use http::header::HOST;
-use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
 use postern_filter_contract::{
     Context, Filter, Flow, Identity, Problem, Reply, RequestHead, ResponseFlow, ResponseHead,
@@ -21,6 +20,7 @@ use smallvec::SmallVec;
 use postern_model::wasm::{Attachment, FailurePolicy, config_bytes};
 // The quarantine's windows are seconds long: the epoch thread's millisecond clock will do.
 use crate::clock::coarse_ms;
+use crate::output::{self, Rule};
 use crate::runtime::{Binding, Call, Module, Runtime, types};
 use crate::stats::{FilterStats, Outcome};
 
@@ -96,8 +96,35 @@ impl WasmFilter {
             FailurePolicy::FailClosed => Err(Reply::Problem(Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "filter_failed",
-                format!("filter {} failed: {}", self.attachment.name, outcome.as_str()),
+                match outcome {
+                    Outcome::BadOutput(rule) => {
+                        format!("filter {} failed: bad_output: its answer broke the rule {rule}", self.attachment.name)
+                    }
+                    other => format!("filter {} failed: {}", self.attachment.name, other.as_str()),
+                },
             ))),
+        }
+    }
+
+    /// Logs a failed call: a refused answer at warn, naming the rule (the 1st, 2nd, 4th,
+    /// 8th... refusal on this route, so a filter refused on every request does not flood
+    /// the log; the metric counts each), any other failure at debug.
+    fn log_failure(&self, phase: &'static str, kind: Outcome) {
+        match kind {
+            Outcome::BadOutput(rule) => {
+                let n = self.binding.stats.refused(rule);
+                if n.is_power_of_two() {
+                    tracing::warn!(
+                        filter = &*self.binding.tag,
+                        phase,
+                        rule = rule.as_str(),
+                        refusals = n,
+                        "filter answer refused: {}",
+                        rule.describe()
+                    );
+                }
+            }
+            other => tracing::debug!(filter = &*self.binding.tag, phase, outcome = other.as_str(), "filter failed"),
         }
     }
 
@@ -189,7 +216,7 @@ impl WasmFilter {
             }
             Err(kind) => {
                 self.failed(kind, call.fuel, call.took);
-                tracing::debug!(filter = &*self.binding.tag, outcome = kind.as_str(), "filter failed");
+                self.log_failure("request", kind);
                 self.fail(kind)
             }
         }
@@ -222,7 +249,7 @@ impl WasmFilter {
             // answers 503 instead of the backend's response unedited.
             Err(kind) => {
                 self.failed(kind, fuel, took);
-                tracing::debug!(filter = &*self.binding.tag, outcome = kind.as_str(), "response phase failed");
+                self.log_failure("response", kind);
                 self.fail(kind)
             }
         }
@@ -259,23 +286,6 @@ fn flow<'a>(r: Result<(), Reply>) -> Flow<'a> {
     }
 }
 
-/// Gateway-owned headers a filter may not set or remove.
-fn reserved(name: &HeaderName) -> bool {
-    let n = name.as_str();
-    n.starts_with("x-auth-")
-        || matches!(
-            n,
-            "host"
-                | "content-length"
-                | "transfer-encoding"
-                | "connection"
-                | "te"
-                | "trailer"
-                | "upgrade"
-                | "x-request-id"
-        )
-}
-
 /// One header change a filter asked for, validated.
 enum Edit {
     Remove(HeaderName),
@@ -290,14 +300,8 @@ fn header_edits(
     append: &[(String, Vec<u8>)],
     remove: &[String],
 ) -> Result<SmallVec<[Edit; 8]>, Outcome> {
-    let name = |k: &str| -> Result<HeaderName, Outcome> {
-        let n = HeaderName::from_bytes(k.as_bytes()).map_err(|_| Outcome::BadOutput)?;
-        if reserved(&n) {
-            return Err(Outcome::BadOutput);
-        }
-        Ok(n)
-    };
-    let value = |v: &[u8]| HeaderValue::from_bytes(v).map_err(|_| Outcome::BadOutput);
+    let name = |k: &str| output::header_name(k).map_err(Outcome::BadOutput);
+    let value = |v: &[u8]| output::header_value(v).map_err(Outcome::BadOutput);
     let mut edits = SmallVec::with_capacity(set.len() + append.len() + remove.len());
     for k in remove {
         edits.push(Edit::Remove(name(k)?));
@@ -334,13 +338,10 @@ fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Res
     let uri = match edits.path {
         None => None,
         Some(p) => {
-            if !p.starts_with('/') {
-                return Err(Outcome::BadOutput);
-            }
-            let pq = PathAndQuery::from_maybe_shared(Bytes::from(p)).map_err(|_| Outcome::BadOutput)?;
+            let pq = output::path(&p).map_err(Outcome::BadOutput)?;
             let mut parts = req.uri.clone().into_parts();
             parts.path_and_query = Some(pq);
-            Some(Uri::from_parts(parts).map_err(|_| Outcome::BadOutput)?)
+            Some(Uri::from_parts(parts).map_err(|_| Outcome::BadOutput(Rule::PathSyntax))?)
         }
     };
     apply_headers(&mut req.headers, header_edits);
@@ -352,10 +353,7 @@ fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Res
 
 /// The reply of a decision whose sizes were checked (by the runtime, on the thread that ran the call).
 fn make_reply(reply: types::Reply) -> Result<Reply, Outcome> {
-    let status = StatusCode::from_u16(reply.status).map_err(|_| Outcome::BadOutput)?;
-    if !(200..=599).contains(&reply.status) {
-        return Err(Outcome::BadOutput);
-    }
+    let status = output::status(reply.status).map_err(Outcome::BadOutput)?;
     let mut headers = HeaderMap::with_capacity(reply.headers.len());
     apply_headers(&mut headers, header_edits(&[], &reply.headers, &[])?);
     Ok(Reply::Custom { status, headers, body: Bytes::from(reply.body) })

@@ -13,6 +13,7 @@
 
 mod clock;
 pub mod filter;
+pub mod output;
 pub mod runtime;
 pub mod stats;
 

@@ -6,6 +6,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::output::Rule;
+
 /// Once a filter outruns its slice or fails costly on a route, its calls there go
 /// straight to the idle pool for this long.
 pub(crate) const POOL_FOR_MS: u64 = 10_000;
@@ -28,8 +30,8 @@ pub enum Outcome {
     Panic,
     /// Any other trap (`unreachable`, division by zero, ...).
     Trap,
-    /// Returned something outside its limits or malformed (headers, status, path).
-    BadOutput,
+    /// Returned something a [`Rule`] refuses (limits, headers, status, path).
+    BadOutput(Rule),
     /// Called the host more often than allowed.
     HostCalls,
     /// Could not be instantiated.
@@ -50,7 +52,7 @@ impl Outcome {
         Outcome::Stack,
         Outcome::Panic,
         Outcome::Trap,
-        Outcome::BadOutput,
+        Outcome::BadOutput(Rule::HeaderCount),
         Outcome::HostCalls,
         Outcome::Instantiate,
         Outcome::Quarantined,
@@ -67,7 +69,7 @@ impl Outcome {
             Outcome::Stack => "stack_overflow",
             Outcome::Panic => "guest_panic",
             Outcome::Trap => "trap",
-            Outcome::BadOutput => "bad_output",
+            Outcome::BadOutput(_) => "bad_output",
             Outcome::HostCalls => "host_call_limit",
             Outcome::Instantiate => "instantiate_failed",
             Outcome::Quarantined => "quarantined",
@@ -86,12 +88,13 @@ impl Outcome {
                 | Outcome::Memory
                 | Outcome::Stack
                 | Outcome::HostCalls
-                | Outcome::BadOutput
+                | Outcome::BadOutput(_)
         )
     }
 
     fn index(self) -> usize {
-        Outcome::ALL.iter().position(|o| *o == self).unwrap_or(0)
+        let kind = std::mem::discriminant(&self);
+        Outcome::ALL.iter().position(|o| std::mem::discriminant(o) == kind).unwrap_or(0)
     }
 }
 
@@ -102,6 +105,8 @@ const TIME_BOUNDS_US: [u64; 10] = [5, 10, 25, 50, 100, 250, 1_000, 5_000, 50_000
 #[derive(Debug, Default)]
 pub struct FilterStats {
     outcomes: [AtomicU64; Outcome::ALL.len()],
+    /// Refused answers by the rule they broke.
+    refusals: [AtomicU64; Rule::ALL.len()],
     fuel: [AtomicU64; FUEL_BOUNDS.len()],
     fuel_sum: AtomicU64,
     time: [AtomicU64; TIME_BOUNDS_US.len()],
@@ -130,6 +135,11 @@ impl FilterStats {
         if let Some(c) = self.outcomes.get(outcome.index()) {
             c.fetch_add(1, Ordering::Relaxed);
         }
+        if let Outcome::BadOutput(rule) = outcome
+            && let Some(c) = self.refusals.get(rule.index())
+        {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
         if outcome == Outcome::Quarantined {
             return;
         }
@@ -151,6 +161,11 @@ impl FilterStats {
         self.outcomes.get(outcome.index()).map_or(0, |c| c.load(Ordering::Relaxed))
     }
 
+    /// Answers refused for breaking `rule`.
+    pub fn refused(&self, rule: Rule) -> u64 {
+        self.refusals.get(rule.index()).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
     /// Adds to a filter-defined counter (the `counter-add` host call). Names are capped
     /// by the caller.
     pub fn counter_add(&self, name: &str, delta: u64) {
@@ -168,6 +183,12 @@ impl FilterStats {
             let n = self.count(o);
             if n > 0 || o == Outcome::Ok {
                 let _ = writeln!(out, "postern_filter_calls_total{{{labels},outcome=\"{}\"}} {n}", o.as_str());
+            }
+        }
+        for r in Rule::ALL {
+            let n = self.refused(r);
+            if n > 0 {
+                let _ = writeln!(out, "postern_filter_refusals_total{{{labels},rule=\"{}\"}} {n}", r.as_str());
             }
         }
         let mut cum = 0;

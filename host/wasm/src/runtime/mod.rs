@@ -574,7 +574,11 @@ pub(crate) mod tests {
         let b = binding(&rt, "huge_header", "", limits);
         b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
         let c = call(&rt, &b);
-        assert_eq!(c.result.unwrap_err(), Outcome::BadOutput, "1,000 headers of 1 KiB never reach the worker");
+        assert_eq!(
+            c.result.unwrap_err(),
+            Outcome::BadOutput(crate::output::Rule::HeaderCount),
+            "1,000 headers of 1 KiB never reach the worker"
+        );
         // Within the limits, the same path answers.
         let b = binding(&rt, "well_behaved", "", Limits::default());
         b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
