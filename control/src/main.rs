@@ -748,10 +748,9 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn serve(settings: posternctl::serve::ServeSettings, store: &str, key: Option<&Path>) -> anyhow::Result<()> {
-    let is_dir = !(store.starts_with("postgres://") || store.starts_with("postgresql://"));
     let signer = match key {
         Some(path) => posternctl::keys::read_signer(path)?,
-        None if is_dir => posternctl::keys::store_signer(Path::new(store))?,
+        None if !posternctl::store::is_postgres(store) => posternctl::keys::store_signer(Path::new(store))?,
         None => anyhow::bail!(
             "a PostgreSQL store is shared by several instances: give each the same --signing-key \
              (`posternctl signing-key new FILE` makes one)"

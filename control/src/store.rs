@@ -63,6 +63,11 @@ pub struct AuditEntry {
     pub note: String,
 }
 
+/// Whether a store spec names PostgreSQL (else it is a directory).
+pub fn is_postgres(spec: &str) -> bool {
+    spec.starts_with("postgres://") || spec.starts_with("postgresql://")
+}
+
 /// A version store, and the key it signs new versions with.
 pub struct Store {
     backend: Backend,
@@ -89,20 +94,12 @@ impl Store {
     /// Opens `spec`: a `postgres://` URL, or a directory path. Versions it publishes are
     /// signed with `signer`, when there is one.
     pub async fn open(spec: &str, signer: Option<Arc<Signer>>) -> anyhow::Result<Store> {
-        let backend = if spec.starts_with("postgres://") || spec.starts_with("postgresql://") {
+        let backend = if is_postgres(spec) {
             Backend::Postgres(Box::new(PgStore::connect(spec).await?))
         } else {
             Backend::Dir(DirStore::open(Path::new(spec))?)
         };
         Ok(Store { backend, signer })
-    }
-
-    /// The directory of an embedded store (`None` for PostgreSQL).
-    pub fn dir(&self) -> Option<&Path> {
-        match &self.backend {
-            Backend::Dir(d) => Some(&d.root),
-            Backend::Postgres(_) => None,
-        }
     }
 
     /// The key new versions are signed with.

@@ -261,33 +261,29 @@ async fn apply(
                 .map_err(|e| e.to_string())?;
             live::persist_snapshot(&settings.snapshot, &bytes).map_err(|e| e.to_string())
         }
-        Lane::Credentials => match delta {
-            Some(doc) => {
-                let doc = doc.map_err(|e| format!("malformed delta: {e}"))?;
-                // Already there (the publish directory brought its version first).
-                if running(gw, Lane::Credentials) >= doc.delta.version {
-                    return Ok(());
+        Lane::Credentials => {
+            let doc = delta.transpose().map_err(|e| format!("malformed delta: {e}"))?;
+            // Already there (the publish directory brought its version first).
+            if doc.as_ref().is_some_and(|d| running(gw, Lane::Credentials) >= d.delta.version) {
+                return Ok(());
+            }
+            let (gw2, path) = (gw.clone(), settings.credentials.clone());
+            tokio::task::spawn_blocking(move || {
+                let _one = gw2.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
+                match doc {
+                    Some(doc) => {
+                        live::apply_credentials_delta(&gw2, &doc).map_err(|e| e.to_string())?;
+                        live::persist_delta(&path, &bytes).map_err(|e| e.to_string())
+                    }
+                    None => {
+                        live::apply_credentials(&gw2, &bytes).map_err(|e| e.to_string())?;
+                        live::persist_credentials(&path, &bytes).map_err(|e| e.to_string())
+                    }
                 }
-                let (gw2, path, b2) = (gw.clone(), settings.credentials.clone(), bytes.clone());
-                tokio::task::spawn_blocking(move || {
-                    let _one = gw2.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
-                    live::apply_credentials_delta(&gw2, &doc).map_err(|e| e.to_string())?;
-                    live::persist_delta(&path, &b2).map_err(|e| e.to_string())
-                })
-                .await
-                .map_err(|e| e.to_string())?
-            }
-            None => {
-                let (gw2, path, b2) = (gw.clone(), settings.credentials.clone(), bytes.clone());
-                tokio::task::spawn_blocking(move || {
-                    let _one = gw2.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
-                    live::apply_credentials(&gw2, &b2).map_err(|e| e.to_string())?;
-                    live::persist_credentials(&path, &b2).map_err(|e| e.to_string())
-                })
-                .await
-                .map_err(|e| e.to_string())?
-            }
-        },
+            })
+            .await
+            .map_err(|e| e.to_string())?
+        }
     }
 }
 
