@@ -33,9 +33,14 @@ test: setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace
 
-demo: setup filters
-	$(CARGO) build --release --workspace --bins
-	bash examples/demo.sh target/release
+# The whole product on one machine (examples/demo.sh): built with the `demo` profile.
+demo: setup
+	@echo "==> building the example Wasm filters (wasm32-wasip2)"
+	@$(MAKE) --no-print-directory filters
+	@echo "==> building postern, posternctl and postern-echo (profile demo: optimised, no LTO)"
+	$(CARGO) build --profile demo --bins -p postern -p posternctl -p postern-echo
+	@echo "==> starting the demo"
+	bash examples/demo.sh $(TARGET_DIR)/demo
 
 # Criterion micro-benchmarks (route match, snapshot build, filter calls).
 bench: filters

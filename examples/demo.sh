@@ -1,25 +1,46 @@
 #!/usr/bin/env bash
-# The demo: echo backends on 127.0.0.1:9001-9003, the example config compiled into a
-# snapshot, and postern in the foreground (public :8080, partner :8081, admin :9901).
+# The demo: the whole product on one machine, embedded. Echo backends on
+# 127.0.0.1:9001-9003; the example config (with the built filters approved) as the config
+# repository; `posternctl serve` with its embedded store on 127.0.0.1:9400, signing every
+# version; two nodes following it (node-a, the canary: public :8080, partner :8081, admin
+# :9901; node-b: :8180, :8181, :9911); the key service. Ctrl-C stops everything.
 # Usage: examples/demo.sh <dir with the binaries>   (make demo builds them)
+# Env: DEMO_STATE (default demo-state), DEMO_DWELL (each rollout stage, default 10s),
+# DEMO_DETACH=1 (start everything, print the tour and return, leaving it running; stop it
+# with `kill $(cat demo-state/pids)`).
 set -euo pipefail
-bin=${1:-target/release}
+bin=$(cd "${1:-target/demo}" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 state=${DEMO_STATE:-$here/../demo-state}
 mkdir -p "$state"
+state=$(cd "$state" && pwd)
+dwell=${DEMO_DWELL:-10s}
+control=http://127.0.0.1:9400
+step() { printf '==> %s\n' "$*" >&2; }
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup EXIT INT TERM
+if [ "${DEMO_DETACH:-}" != 1 ]; then trap cleanup EXIT INT TERM; fi
+# What a previous detached run left running.
+if [ -s "$state/pids" ]; then kill $(cat "$state/pids") 2>/dev/null || true; sleep 0.5; fi
+: > "$state/pids"
+started() { pids+=("$1"); echo "$1" >> "$state/pids"; }
+# Waits until `curl $1` answers, or fails naming the log to read.
+wait_up() {
+  for _ in $(seq 1 200); do curl -s -o /dev/null "$1" && return 0; sleep 0.1; done
+  echo "$2 did not start; see $3" >&2; tail -20 "$3" >&2; exit 1
+}
 
+step "echo backends on 127.0.0.1:9001-9003 (log: $state/echo.log)"
 for spec in 9001=echo 9002=orders-v1 9003=orders-v2; do
   port=${spec%%=*}; name=${spec#*=}
-  "$bin/postern-echo" --listen "127.0.0.1:$port" --name "$name" 2>>"$state/echo.log" &
-  pids+=($!)
+  "$bin/postern-echo" --listen "127.0.0.1:$port" --name "$name" >>"$state/echo.log" 2>&1 &
+  started $!
 done
 
 # The config repository as the platform would hold it: the example config plus the built
 # filter modules beside their manifests, each approved in platform/filters.yaml.
+step "config repository $state/config: examples/config with the built filters approved"
 filters=${FILTERS_DIR:-$here/../target/filters/wasm32-wasip2/release}
 rm -rf "$state/config" && cp -r "$here/config" "$state/config"
 echo "approved:" > "$state/config/platform/filters.yaml"
@@ -33,6 +54,7 @@ done
 # Credentials for the demo: a signing key (a stand-in for the identity service's), and
 # API keys made the way the key service makes them (the raw key is printed once; only
 # its SHA-256 goes into platform/keys.jsonl). A second run keeps the first run's key.
+step "demo credentials: an identity-service signing key, two API keys, a JWT"
 if [ ! -s "$state/demo-signing-key.pem" ] || [ ! -s "$state/signing-key.yaml" ]; then
   rm -f "$state/demo-signing-key.pem"
   "$bin/posternctl" token keygen --kid demo-1 --issuer https://id.example.com \
@@ -45,58 +67,67 @@ text = open(auth).read().replace("signing_keys: []\n", "signing_keys:\n" + key)
 open(auth, "w").write(text)
 PY
 partner_key=$("$bin/posternctl" key new "$state/config" --id demo-partner --app demo-app --tenant acme \
-  --plan partner --scope orders:read --scope orders:write --scope reports:read)
-free_key=$("$bin/posternctl" key new "$state/config" --id demo-free --app free-app --tenant initech --plan free)
+  --plan partner --scope orders:read --scope orders:write --scope reports:read 2>/dev/null)
+free_key=$("$bin/posternctl" key new "$state/config" --id demo-free --app free-app --tenant initech --plan free 2>/dev/null)
 token=$("$bin/posternctl" token mint --key "$state/demo-signing-key.pem" --kid demo-1 \
   --issuer https://id.example.com --audience api.example.com --sub alice --client-id demo-app \
   --scope "orders:read profile" --ttl 60m)
+# The same repository compiled to a file: what a single node without a control plane runs
+# (`postern --snapshot demo-state/snapshot.json`).
+"$bin/posternctl" compile "$state/config" -o "$state/snapshot.json" >/dev/null
 
-"$bin/posternctl" compile "$state/config" -o "$state/snapshot.json"
+# Who may do what on the control plane: a platform token (publish, roll back, keys) and a
+# node token, by their SHA-256. Made once; a second run keeps them.
+if [ ! -s "$state/tokens.env" ]; then
+  echo "PLATFORM_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')" > "$state/tokens.env"
+  echo "NODE_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')" >> "$state/tokens.env"
+fi
+# shellcheck disable=SC1091
+. "$state/tokens.env"
+sha() { printf %s "$1" | sha256sum | cut -d' ' -f1; }
+cat > "$state/tokens.json" <<J
+[{"name": "demo", "role": "platform", "sha256": "$(sha "$PLATFORM_TOKEN")"},
+ {"name": "nodes", "role": "node", "sha256": "$(sha "$NODE_TOKEN")"},
+ {"name": "echo-team", "role": "team:echo", "sha256": "$(sha "echo-team-$PLATFORM_TOKEN")"}]
+J
+
+step "control plane: posternctl serve on $control (store $state/store; log: $state/control.log)"
+"$bin/posternctl" serve "$state/config" --store "$state/store" --tokens "$state/tokens.json" \
+  --listen 127.0.0.1:9400 --dwell "$dwell" --publish-dir "$state/published" \
+  > "$state/control.log" 2>&1 &
+started $!
+wait_up "$control/v1/status" "the control plane" "$state/control.log"
+POSTERN_TOKEN=$PLATFORM_TOKEN "$bin/posternctl" publish --control "$control" >/dev/null
+
+step "nodes following it: node-a (canary) on :8080/:8081/:9901, node-b on :8180/:8181/:9911 (logs: $state/node-*.log)"
+for spec in node-a=8080,8081,9901 node-b=8180,8181,9911; do
+  name=${spec%%=*}; IFS=, read -r pub part adm <<<"${spec#*=}"
+  mkdir -p "$state/$name"
+  canary=(); [ "$name" = node-a ] && canary=(--control-canary)
+  POSTERN_CONTROL_TOKEN=$NODE_TOKEN "$bin/postern" --snapshot "$state/$name/snapshot.json" \
+    --public "127.0.0.1:$pub" --partner "127.0.0.1:$part" --admin "127.0.0.1:$adm" \
+    --node-id "$name" "${canary[@]}" --control "$control" --control-key "$state/store/signing.pub" \
+    --credentials-dir "$state/published" > "$state/$name.log" 2>&1 &
+  started $!
+  wait_up "http://127.0.0.1:$adm/readyz" "$name" "$state/$name.log"
+done
 
 cat <<TRY
 
-Demo credentials, made just now (the config holds only their hashes and the public
-key). Paste these into the other terminal:
+Postern demo is running: the control plane on $control, node-a (canary) on
+http://127.0.0.1:8080 (partner pool :8081, admin :9901), node-b on :8180 (:8181, :9911).
+In another terminal, from this directory:
 
+  export PATH=\$PWD/$(realpath --relative-to="$PWD" "$bin" 2>/dev/null || echo "$bin"):\$PATH
+  export POSTERN_TOKEN=$PLATFORM_TOKEN   # the demo's platform token (publish, rollback, keys)
   export PARTNER_KEY=$partner_key
   export FREE_KEY=$free_key
   export TOKEN=$token   # alice, app demo-app, scopes orders:read profile, 60 min
 TRY
-cat <<'TRY'
-
-Postern demo is starting: public pool http://127.0.0.1:8080, partner pool
-http://127.0.0.1:8081, admin http://127.0.0.1:9901. Try, in another terminal:
-
-  curl -i http://127.0.0.1:8080/v1/echo/hello?x=1             # echo route, x-request-id on the answer
-  curl -i http://127.0.0.1:8080/v2/echo/hello                  # rewritten to /echo/hello upstream
-  curl -i http://127.0.0.1:8080/v1/orders/42                   # 401 invalid_credentials: this route needs a key or a token
-  curl -i -H "x-api-key: $PARTNER_KEY" http://127.0.0.1:8080/v1/orders/42   # exact route with {id}; the backend sees x-auth-* identity, never the key
-  curl -i -H "authorization: Bearer $TOKEN" http://127.0.0.1:8080/v1/orders/42   # the same with alice's JWT
-  curl -i -H "x-api-key: $FREE_KEY" http://127.0.0.1:8080/v1/orders/42      # 403 product_not_in_plan
-  curl -i -X POST -H "authorization: Bearer $TOKEN" http://127.0.0.1:8080/v1/orders   # 403 insufficient_scope (no orders:write)
-  curl -i -H "x-api-key: $PARTNER_KEY" -H 'api-version: 2026-06-01' http://127.0.0.1:8080/v1/orders/42   # dated version -> orders-v2
-  curl -s -H "x-api-key: $PARTNER_KEY" http://127.0.0.1:8080/v2/orders/1 | grep -E 'backend|x-experiment' -A1   # sticky 90/10 canary + Wasm A/B tagger
-  curl -i -H "x-api-key: $FREE_KEY" http://127.0.0.1:8080/v1/echo/tenants/x  # Wasm tenant allow-list on the verified tenant: 403 for initech
-  for i in 1 2 3 4 5 6 7; do curl -s -o /dev/null -w '%{http_code} ' -H "x-api-key: $FREE_KEY" http://127.0.0.1:8080/v1/echo/tenants/x; done; echo   # free plan: burst of 5, then 429 rate_limited
-  curl -i http://127.0.0.1:8080/v1/products/1                  # Deprecation, Sunset and Link headers
-  curl -i -H 'x-auth-subject: admin' http://127.0.0.1:8080/v1/echo/spoof   # identity headers never reach backends
-  curl -i -X DELETE http://127.0.0.1:8080/v1/orders/42         # 405 problem+json with Allow
-  curl -i http://127.0.0.1:8080/nope                           # 404 route_not_found
-  head -c 200000 /dev/zero | curl -i --data-binary @- http://127.0.0.1:8080/v1/orders   # 413 payload_too_large
-  curl -i -H "x-api-key: $PARTNER_KEY" http://127.0.0.1:8081/partner/v1/reports/daily   # partner pool only
-  curl --http2-prior-knowledge -i http://127.0.0.1:8080/v1/echo/h2   # HTTP/2 (h2c)
-  curl -si http://127.0.0.1:8080/v1/echo/wasm | grep -i -E 'x-filter|x-demo'   # a Wasm filter edits request and response
-  curl -i -X POST http://127.0.0.1:8081/partner/v1/webhooks    # Wasm HMAC verifier: 401 unsigned
-  curl -s http://127.0.0.1:9901/metrics | grep postern_filter_calls_total   # what each filter costs
-  curl -s http://127.0.0.1:9901/metrics | head -20             # Prometheus metrics
-  curl -s http://127.0.0.1:9901/snapshot                       # running snapshot version and hash
-
-Revoke the partner key: `target/release/posternctl key revoke demo-state/config --id demo-partner`
-then compile as below; the next request with it gets 401, on an open connection too.
-
-Edit demo-state/config, then `target/release/posternctl compile demo-state/config -o demo-state/snapshot.json`:
-the node picks the new snapshot up within a second (or at once on SIGHUP). Ctrl-C stops everything.
-
-TRY
-
-"$bin/postern" --snapshot "$state/snapshot.json"
+# The tour is README.md's, so the two cannot drift (tests/tests/readme.rs runs it).
+echo
+awk '/<!-- tour:start -->/{on=1; next} /<!-- tour:end -->/{on=0} on && !/^```/' "$here/../README.md" | sed 's/^./  &/'
+echo
+if [ "${DEMO_DETACH:-}" = 1 ]; then exit 0; fi
+echo "Ctrl-C stops everything."
+wait

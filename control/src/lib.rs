@@ -32,6 +32,7 @@ pub mod compile;
 pub mod config;
 pub mod credentials;
 pub mod engines;
+pub mod filter_cost;
 pub mod filter_run;
 pub mod keys;
 pub mod keyservice;

@@ -411,10 +411,60 @@ enum FilterCommand {
         #[arg(long)]
         body: Option<String>,
     },
+    /// What each Wasm filter on a route costs on a node: calls by outcome, fuel and
+    /// duration percentiles, refused answers by rule, quarantines and reruns, read from
+    /// the node's admin endpoint.
+    Cost {
+        /// The route, `team/name`.
+        #[arg(long)]
+        route: String,
+        /// The node's admin listener.
+        #[arg(long, default_value = "http://127.0.0.1:9901")]
+        admin: String,
+        /// Over this window (read twice, this far apart, e.g. 30s); default: since the
+        /// node started.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        window: Option<std::time::Duration>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The admin endpoint's metrics page.
+fn node_metrics(admin: &str) -> anyhow::Result<String> {
+    let url = format!("{}/metrics", admin.trim_end_matches('/'));
+    let (status, body) = runtime()?.block_on(posternctl::serve::request_with("GET", &url, "", None, None))?;
+    anyhow::ensure!(status.is_success(), "{url}: {status}");
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+fn filter_cost(route: &str, admin: &str, window: Option<std::time::Duration>, as_json: bool) -> anyhow::Result<bool> {
+    use posternctl::filter_cost;
+    let first = filter_cost::costs(&node_metrics(admin)?, route);
+    let costs = match window {
+        None => first,
+        Some(w) => {
+            std::thread::sleep(w);
+            filter_cost::window(&filter_cost::costs(&node_metrics(admin)?, route), &first)
+        }
+    };
+    let window_s = window.map(|w| w.as_secs());
+    if as_json {
+        outln!("{}", serde_json::to_string_pretty(&filter_cost::json(route, window_s, &costs))?);
+    } else {
+        outln!("{}", filter_cost::table(route, window_s, &costs).trim_end());
+    }
+    Ok(true)
 }
 
 fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
-    let FilterCommand::Run { module, config, limits, method, path, headers, body } = command;
+    let (module, config, limits, method, path, headers, body) = match command {
+        FilterCommand::Run { module, config, limits, method, path, headers, body } => {
+            (module, config, limits, method, path, headers, body)
+        }
+        FilterCommand::Cost { route, admin, window, json } => return filter_cost(&route, &admin, window, json),
+    };
     let config: serde_json::Value = serde_json::from_str(&config).map_err(|e| anyhow::anyhow!("--config: {e}"))?;
     let limits: postern_model::wasm::Limits =
         serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("--limits: {e}"))?;

@@ -51,7 +51,9 @@ pub struct Args {
     /// Write the bound ports as JSON here once listening (for tests and scripts).
     #[arg(long)]
     pub ports_file: Option<PathBuf>,
-    /// How often to check the snapshot file for changes, in milliseconds.
+    /// How often to check the snapshot file for changes, in milliseconds, where the
+    /// system cannot report changes (otherwise they are read at once, and checked once a
+    /// minute besides).
     #[arg(long, default_value_t = 1000)]
     pub watch_interval_ms: u64,
     /// Credential state (API key hashes, signing keys, apps, deny list) written by
@@ -525,6 +527,31 @@ fn file_stamp(path: &Path) -> Option<(SystemTime, u64)> {
     Some((m.modified().ok()?, m.len()))
 }
 
+/// How often a node with file-change events still looks at its files.
+const BACKSTOP_POLL: Duration = Duration::from_secs(60);
+
+/// A watch on the directories of `files`, waking `changed` on any change in them; `None`
+/// (with a warning) where the system cannot watch, and the caller polls instead.
+fn watch_dirs(files: &[&Path], changed: &Arc<tokio::sync::Notify>) -> Option<notify::RecommendedWatcher> {
+    use notify::Watcher;
+    let n = changed.clone();
+    let mut watcher = notify::recommended_watcher(move |_: notify::Result<notify::Event>| n.notify_one())
+        .map_err(|e| tracing::warn!(error = %e, "no file-change events; polling the snapshot file"))
+        .ok()?;
+    let mut dirs: Vec<&Path> =
+        files.iter().map(|f| f.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))).collect();
+    dirs.dedup();
+    for dir in dirs {
+        if let Err(e) = watcher.watch(dir, notify::RecursiveMode::NonRecursive) {
+            tracing::warn!(dir = %dir.display(), error = %e, "no file-change events; polling the snapshot file");
+            return None;
+        }
+    }
+    Some(watcher)
+}
+
+/// Reloads the snapshot and credential files when they change (told by the kernel, with a
+/// slow backstop poll; or polled every `every` where it cannot tell) or on SIGHUP.
 async fn watch_snapshot(
     gw: Arc<Gateway>,
     builder: Arc<Builder>,
@@ -542,11 +569,17 @@ async fn watch_snapshot(
     };
     let mut stamp = file_stamp(&path);
     let mut cred_stamp = file_stamp(&credentials);
-    let mut tick = tokio::time::interval(every);
+    // Told by the kernel when a file in their directories changes; the poll is then
+    // only a backstop (for file systems that do not report changes), once a minute.
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let watcher = watch_dirs(&[&path, &credentials], &changed);
+    let every = if watcher.is_some() { every.max(BACKSTOP_POLL) } else { every };
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let forced = tokio::select! {
             _ = tick.tick() => false,
+            _ = changed.notified() => false,
             _ = async { match hup.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => true,
             _ = stop.changed() => return,
         };

@@ -742,7 +742,10 @@ async fn nodes_take_only_versions_the_control_plane_signed_over_tls_from_the_net
     assert_eq!(get(&node.url("/r"), &[]).await.header("x-tag"), Some("one"));
     let snapshot = std::fs::read_to_string(work.path().join("n0/snapshot.json")).unwrap();
     assert!(snapshot.contains("\"sig\":\"ed25519:"), "{snapshot}");
-    let credentials = std::fs::read_to_string(work.path().join("n0/credentials.json")).unwrap();
+    // The credentials come on their own lane, after the snapshot the node boots from.
+    let on_disk = work.path().join("n0/credentials.json");
+    wait_for("the node's credentials on disk", Duration::from_secs(10), async || on_disk.exists()).await;
+    let credentials = std::fs::read_to_string(&on_disk).unwrap();
     assert!(credentials.contains("\"sig\":\"ed25519:"), "{credentials}");
 
     // The CLI without the CA cannot talk to it: the certificate is checked.

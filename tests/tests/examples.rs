@@ -99,4 +99,39 @@ async fn example_filters_on_the_demo_routes() {
         arms.insert(a.expect("tagged"));
     }
     assert_eq!(arms.into_iter().collect::<Vec<_>>(), vec!["checkout=a".to_owned(), "checkout=b".to_owned()]);
+
+    // What the A/B tagger cost its team: 40 calls, all ok, with fuel and duration
+    // percentiles, read from the node's admin endpoint; over a window, only that window.
+    let cost_of = |route: &str, extra: &[&str]| {
+        let out = std::process::Command::new(postern_e2e::bin("posternctl"))
+            .args(["filter", "cost", "--route", route, "--admin", &node.admin_url("")])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let cost = |extra: &[&str]| cost_of("orders/orders-v2-canary", extra);
+    let table = cost(&[]);
+    assert!(table.contains("filter ab-tagger: 40 calls (ok 40)"), "{table}");
+    assert!(table.contains("fuel      p50 ") && !table.contains("fuel      p50 -"), "{table}");
+    assert!(table.contains("quarantines 0"), "{table}");
+    let v: serde_json::Value = serde_json::from_str(&cost(&["--json"])).unwrap();
+    let ab = &v["filters"]["ab-tagger"];
+    assert_eq!((ab["calls"].as_u64(), ab["outcomes"]["ok"].as_u64()), (Some(40), Some(40)), "{v}");
+    assert!(ab["fuel"]["p99"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(ab["duration_ms"]["p50"].as_f64().unwrap() > 0.0, "{v}");
+    let url = node.url("/v2/orders/1");
+    let traffic = tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        for key in callers.iter().take(3) {
+            get(&url, &[("x-api-key", key)]).await;
+        }
+    });
+    let v: serde_json::Value = serde_json::from_str(&cost(&["--json", "--window", "2s"])).unwrap();
+    traffic.await.unwrap();
+    assert_eq!(v["window_s"], 2);
+    assert_eq!(v["filters"]["ab-tagger"]["calls"], 3, "only the window's calls: {v}");
+    let none = cost_of("nope/none", &[]);
+    assert!(none.contains("no Wasm filter calls on this route"), "{none}");
 }

@@ -94,13 +94,21 @@ fn posternctl_filter_run_tests_a_build_in_the_real_sandbox_and_refuses_what_the_
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["phases"][0]["outcome"], "bad_output");
     assert_eq!(v["phases"][0]["rule"], "header_count");
-    for name in ["x-auth-subject", "x_auth_subject", "content-length"] {
-        let cfg = format!(r#"{{"set": {{"{name}": "admin"}}}}"#);
+    for name in ["x-auth-subject", "x_auth_subject", "X.Auth.Tenant", "content-length"] {
+        let cfg = format!(r#"{{"{name}": "admin"}}"#);
+        let out = run("header-spoofer", &["--config", &cfg, "--limits", limits]);
+        assert_eq!(out.status.code(), Some(1), "{name}: {}", String::from_utf8_lossy(&out.stdout));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["phases"][0]["outcome"], "bad_output", "{name}: {v}");
+        assert_eq!(v["phases"][0]["rule"], "reserved_header", "{name}: {v}");
+        assert_eq!(v["ok"], false);
+        // The header injector checks its config with the same rules, at init.
+        let cfg = format!(r#"{{"set": {{"{}": "admin"}}}}"#, name.to_ascii_lowercase());
         let out = run("header-injector", &["--config", &cfg, "--limits", limits]);
         assert_eq!(out.status.code(), Some(1), "{name}: {}", String::from_utf8_lossy(&out.stdout));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["phases"][0]["rule"], "reserved_header", "{name}: {v}");
-        assert_eq!(v["ok"], false);
+        assert_eq!(v["phases"][0]["outcome"], "config_refused", "{name}: {v}");
+        assert!(v["phases"][0]["error"].as_str().unwrap().contains("is a header the gateway owns"), "{name}: {v}");
     }
 
     let out = run("well-behaved", &["--limits", r#"{"fuel": 1000000000000}"#]);

@@ -121,6 +121,10 @@ mod types;
 
 pub use decision::{Decision, Reply, RequestEdits, ResponseEdits};
 pub use host::{Level, ParsedConfig, config, config_json, counter_add, log, now_nanos, parse_config_json};
+/// The rules the gateway applies to every answer (header names, values and sizes, reply
+/// status and body, path syntax and canonical form): the same code the node runs, for a
+/// filter that checks its config in `init`. [`testing::check`] applies them in tests.
+pub use postern_filter_rules as rules;
 pub use types::{Context, Fields, Identity, Request, ResponseHead};
 
 /// `serde_json`, re-exported for [`Decision::json`] and config parsing.

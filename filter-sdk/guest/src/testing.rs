@@ -28,6 +28,19 @@
 //! let d = Tag::on_request(&testing::request("GET", "/orders"), &testing::context());
 //! assert_eq!(d.status(), Some(400));
 //! ```
+//!
+//! [`check`] applies the rules the gateway applies to every answer (the same code, from
+//! `postern-filter-rules`), so a test cannot pass on a decision the node would refuse
+//! with a 503:
+//!
+//! ```
+//! use postern_filter_sdk::{testing, Decision};
+//!
+//! assert_eq!(testing::check(&Decision::forward().set_header("x-team", "payments")), Ok(()));
+//! let spoof = Decision::forward().set_header("x_auth_subject", "admin");
+//! assert_eq!(testing::check(&spoof), Err(testing::Rule::ReservedHeader));
+//! assert_eq!(testing::check(&Decision::forward().path("/a/../b")), Err(testing::Rule::PathCanonical));
+//! ```
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -35,6 +48,12 @@ use std::ops::Deref;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+pub use postern_filter_rules::Bounds;
+pub use postern_filter_rules::Rule;
+use postern_filter_rules::output as rules;
+pub use postern_filter_rules::path::PathPolicy;
+
+use crate::decision::{Decision, ResponseEdits};
 use crate::host::Level;
 use crate::types::{Context, Identity, Request, ResponseHead};
 
@@ -114,6 +133,33 @@ pub fn counter(name: &str) -> u64 {
 /// Fixes what [`crate::now_nanos`] returns. Unset, it is a real monotonic clock.
 pub fn set_now_nanos(nanos: u64) {
     STATE.with(|s| s.borrow_mut().now = Some(nanos));
+}
+
+/// Whether the gateway would apply `d` under the platform's default limits and path
+/// policy, or the rule it breaks (the node answers such a decision with a 503 naming the
+/// rule, or with the attachment's failure policy).
+pub fn check(d: &Decision) -> Result<(), Rule> {
+    check_with(d, &Bounds::default(), &PathPolicy::default())
+}
+
+/// [`check`] under an attachment's `limits:` and the platform's `paths:` policy.
+pub fn check_with(d: &Decision, bounds: &Bounds, paths: &PathPolicy) -> Result<(), Rule> {
+    match d {
+        Decision::Continue(e) => {
+            rules::edits(&e.set_headers, &e.append_headers, &e.remove_headers, e.path.as_deref(), bounds, Some(paths))
+        }
+        Decision::Respond(r) => rules::reply(r.status, &r.headers, r.body.len(), bounds),
+    }
+}
+
+/// Whether the gateway would apply response edits under the default limits.
+pub fn check_response(e: &ResponseEdits) -> Result<(), Rule> {
+    check_response_with(e, &Bounds::default())
+}
+
+/// [`check_response`] under an attachment's `limits:`.
+pub fn check_response_with(e: &ResponseEdits, bounds: &Bounds) -> Result<(), Rule> {
+    rules::headers(&e.set_headers, &e.append_headers, &e.remove_headers, bounds)
 }
 
 /// Starts a request head: `testing::request("POST", "/hooks").header("x-a", "1")`.

@@ -1,8 +1,9 @@
 //! The runtime's monotonic clock, and its coarse copy the epoch thread keeps: what the
 //! per-call bookkeeping (quarantine windows, the idle pool's lane) reads instead of asking
-//! the system for the time on every request.
+//! the system for the time on every request. While no epoch thread ticks (nothing runs),
+//! the coarse clock reads the real one.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 fn clock_origin() -> Instant {
@@ -18,11 +19,29 @@ pub(crate) fn clock_ms() -> u64 {
 /// [`clock_ms`] as of the epoch thread's last tick, at most about a millisecond old.
 static COARSE_MS: AtomicU64 = AtomicU64::new(0);
 
+/// Epoch threads ticking now.
+static TICKING: AtomicUsize = AtomicUsize::new(0);
+
 /// Milliseconds of the runtime's monotonic clock, as of the last epoch tick: what the
 /// per-call bookkeeping (quarantine windows, the idle pool's lane) reads instead of asking
-/// the system for the time on every request.
+/// the system for the time on every request. With no epoch thread ticking (an idle node,
+/// or the first call after idleness), the clock itself.
 pub(crate) fn coarse_ms() -> u64 {
+    if TICKING.load(Ordering::Acquire) == 0 {
+        return clock_ms();
+    }
     COARSE_MS.load(Ordering::Relaxed)
+}
+
+/// An epoch thread starts (`true`) or stops (`false`) ticking; starting brings the
+/// coarse clock up to date first.
+pub(crate) fn ticking(on: bool) {
+    if on {
+        tick();
+        TICKING.fetch_add(1, Ordering::AcqRel);
+    } else {
+        TICKING.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Nanoseconds of the runtime's monotonic clock (the `monotonic-now` import).

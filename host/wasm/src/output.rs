@@ -1,173 +1,52 @@
-//! What a filter may answer: one set of rules, applied by the node (the runtime checks
-//! sizes on the thread that ran the call; the adapter the rest before it applies
-//! anything), by `posternctl filter run` and by the manifest's sample cases at compile
-//! ([`check_decision`], [`check_response`]). A refusal names the [`Rule`] it broke: in
-//! the node's log, in `postern_filter_refusals_total{rule=..}`, and in the 503's detail.
-
-use std::borrow::Cow;
+//! What a filter may answer, on the WIT types: the rules of `postern_filter_rules` (shared
+//! with the filter SDK's testing module), applied by the node (the runtime checks sizes
+//! on the thread that ran the call; the adapter the rest, turning names and values into
+//! `http` types, before it applies anything), by `posternctl filter run` and by the
+//! manifest's sample cases at compile ([`check_decision`], [`check_response`]). A refusal
+//! names the [`Rule`] it broke: in the node's log, in `postern_filter_refusals_total{rule=..}`,
+//! and in the 503's detail.
 
 use http::{HeaderName, HeaderValue, StatusCode, uri::PathAndQuery};
+use postern_filter_rules::output as rules;
 use postern_model::path::PathPolicy;
 use postern_model::wasm::Limits;
 
+pub use postern_filter_rules::{Bounds, MAX_PATH_BYTES, Rule};
+
 use crate::runtime::types;
 
-/// The longest path a filter may set.
-pub const MAX_PATH_BYTES: usize = 8192;
-
-/// A rule of what a filter may answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Rule {
-    /// More header changes (set, appended, removed) than `max_headers`.
-    HeaderCount,
-    /// Header changes weigh more than `max_header_bytes`.
-    HeaderBytes,
-    /// A header name that is not an HTTP token.
-    HeaderName,
-    /// A header value with a control character.
-    HeaderValue,
-    /// A header the gateway owns.
-    ReservedHeader,
-    /// A reply status outside 200–599.
-    Status,
-    /// A reply body over `max_body_bytes`.
-    BodySize,
-    /// A path that is not an absolute path with an optional query.
-    PathSyntax,
-    /// A path over [`MAX_PATH_BYTES`].
-    PathLength,
-    /// A path not in canonical form under the platform's path policy.
-    PathCanonical,
-}
-
-impl Rule {
-    /// Every rule, in the order metrics list them.
-    pub const ALL: [Rule; 10] = [
-        Rule::HeaderCount,
-        Rule::HeaderBytes,
-        Rule::HeaderName,
-        Rule::HeaderValue,
-        Rule::ReservedHeader,
-        Rule::Status,
-        Rule::BodySize,
-        Rule::PathSyntax,
-        Rule::PathLength,
-        Rule::PathCanonical,
-    ];
-
-    /// The rule's name, as logs, metrics and details show it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Rule::HeaderCount => "header_count",
-            Rule::HeaderBytes => "header_bytes",
-            Rule::HeaderName => "header_name",
-            Rule::HeaderValue => "header_value",
-            Rule::ReservedHeader => "reserved_header",
-            Rule::Status => "status",
-            Rule::BodySize => "body_size",
-            Rule::PathSyntax => "path_syntax",
-            Rule::PathLength => "path_length",
-            Rule::PathCanonical => "path_canonical",
-        }
+/// The sizes an attachment's limits allow a decision.
+pub fn bounds(limits: &Limits) -> Bounds {
+    Bounds {
+        max_headers: limits.max_headers,
+        max_header_bytes: limits.max_header_bytes,
+        max_body_bytes: limits.max_body_bytes,
     }
-
-    /// What the rule asks, in a sentence.
-    pub fn describe(self) -> &'static str {
-        match self {
-            Rule::HeaderCount => "more header changes than the attachment's maxHeaders",
-            Rule::HeaderBytes => "header changes weigh more than the attachment's maxHeaderBytes",
-            Rule::HeaderName => "a header name that is not an HTTP token",
-            Rule::HeaderValue => "a header value with a control character",
-            Rule::ReservedHeader => {
-                "a header the gateway owns (x-auth-*, host, framing and hop-by-hop headers, x-request-id, in any spelling)"
-            }
-            Rule::Status => "a reply status outside 200-599",
-            Rule::BodySize => "a reply body larger than the attachment's maxBodyBytes",
-            Rule::PathSyntax => "a path that does not start with '/' or is not a valid path and query",
-            Rule::PathLength => "a path longer than 8192 bytes",
-            Rule::PathCanonical => "a path not in canonical form under the platform's path policy",
-        }
-    }
-
-    /// Its position in [`Rule::ALL`].
-    pub fn index(self) -> usize {
-        Rule::ALL.iter().position(|r| *r == self).unwrap_or(0)
-    }
-}
-
-impl std::fmt::Display for Rule {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.as_str(), self.describe())
-    }
-}
-
-/// Whether a folded, lowercased name is one the gateway owns. Backends built on CGI/WSGI
-/// read `_` and `.` as `-`, so every spelling counts.
-fn reserved(name: &str) -> bool {
-    let folded: Cow<'_, str> = if name.bytes().any(|b| b == b'_' || b == b'.') {
-        Cow::Owned(name.replace(['_', '.'], "-"))
-    } else {
-        Cow::Borrowed(name)
-    };
-    let n = folded.as_ref();
-    n.starts_with("x-auth-")
-        || matches!(
-            n,
-            "host"
-                | "content-length"
-                | "transfer-encoding"
-                | "connection"
-                | "keep-alive"
-                | "proxy-connection"
-                | "proxy-authorization"
-                | "te"
-                | "trailer"
-                | "upgrade"
-                | "x-request-id"
-        )
 }
 
 /// A header name a filter may set or remove.
 pub fn header_name(name: &str) -> Result<HeaderName, Rule> {
-    let n = HeaderName::from_bytes(name.as_bytes()).map_err(|_| Rule::HeaderName)?;
-    if reserved(n.as_str()) {
-        return Err(Rule::ReservedHeader);
-    }
-    Ok(n)
+    rules::header_name(name.as_bytes())?;
+    HeaderName::from_bytes(name.as_bytes()).map_err(|_| Rule::HeaderName)
 }
 
 /// A header value a filter may set.
 pub fn header_value(value: &[u8]) -> Result<HeaderValue, Rule> {
+    rules::header_value(value)?;
     HeaderValue::from_bytes(value).map_err(|_| Rule::HeaderValue)
 }
 
 /// A reply status a filter may answer with.
 pub fn status(code: u16) -> Result<StatusCode, Rule> {
-    match StatusCode::from_u16(code) {
-        Ok(s) if (200..=599).contains(&code) => Ok(s),
-        _ => Err(Rule::Status),
-    }
+    rules::status(code)?;
+    StatusCode::from_u16(code).map_err(|_| Rule::Status)
 }
 
 /// A path (with its query) a filter may set, as syntax: canonical form is checked
-/// against the platform's policy with [`canonical_path`].
+/// against the platform's policy once the chain has run.
 pub fn path(p: &str) -> Result<PathAndQuery, Rule> {
-    if p.len() > MAX_PATH_BYTES {
-        return Err(Rule::PathLength);
-    }
-    if !p.starts_with('/') {
-        return Err(Rule::PathSyntax);
-    }
+    rules::path(p, None)?;
     PathAndQuery::from_maybe_shared(bytes::Bytes::copy_from_slice(p.as_bytes())).map_err(|_| Rule::PathSyntax)
-}
-
-/// Whether a path (without its query) is canonical under `policy`, as the router and
-/// static rewrites require.
-pub fn canonical_path(p: &str, policy: &PathPolicy) -> Result<(), Rule> {
-    match postern_model::path::canonical(p, policy) {
-        Ok(Cow::Borrowed(_)) => Ok(()),
-        _ => Err(Rule::PathCanonical),
-    }
 }
 
 /// The counts and bytes of header changes against `limits`.
@@ -188,48 +67,21 @@ pub fn sizes(
     Ok(())
 }
 
-/// Every header change, by name and value.
-fn headers(set: &[(String, Vec<u8>)], append: &[(String, Vec<u8>)], remove: &[String]) -> Result<(), Rule> {
-    for k in remove {
-        header_name(k)?;
-    }
-    for (k, v) in set.iter().chain(append) {
-        header_name(k)?;
-        header_value(v)?;
-    }
-    Ok(())
-}
-
 /// Every rule for a request-phase (or body-phase) decision; the path's canonical form
 /// under `paths`, when given (the node checks it once every filter has run).
 pub fn check_decision(d: &types::Decision, limits: &Limits, paths: Option<&PathPolicy>) -> Result<(), Rule> {
+    let bounds = bounds(limits);
     match d {
         types::Decision::Continue(e) => {
-            sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)?;
-            headers(&e.set_headers, &e.append_headers, &e.remove_headers)?;
-            if let Some(p) = &e.path {
-                let pq = path(p)?;
-                if let Some(policy) = paths {
-                    canonical_path(pq.path(), policy)?;
-                }
-            }
-            Ok(())
+            rules::edits(&e.set_headers, &e.append_headers, &e.remove_headers, e.path.as_deref(), &bounds, paths)
         }
-        types::Decision::Respond(r) => {
-            status(r.status)?;
-            if r.body.len() > limits.max_body_bytes {
-                return Err(Rule::BodySize);
-            }
-            sizes(&[], &r.headers, &[], limits)?;
-            headers(&[], &r.headers, &[])
-        }
+        types::Decision::Respond(r) => rules::reply(r.status, &r.headers, r.body.len(), &bounds),
     }
 }
 
 /// Every rule for response-phase edits.
 pub fn check_response(e: &types::ResponseEdits, limits: &Limits) -> Result<(), Rule> {
-    sizes(&e.set_headers, &e.append_headers, &e.remove_headers, limits)?;
-    headers(&e.set_headers, &e.append_headers, &e.remove_headers)
+    rules::headers(&e.set_headers, &e.append_headers, &e.remove_headers, &bounds(limits))
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ extern crate alloc;
 use alloc::collections::BTreeMap;
 
 use postern_filter_sdk::prelude::*;
+use postern_filter_sdk::rules::{self, Rule};
 use postern_filter_sdk::serde_json::json;
 use serde::Deserialize;
 
@@ -36,15 +37,18 @@ pub struct Config {
     pub remove: Vec<String>,
 }
 
-/// An RFC 9110 token, lowercase as the gateway's header names are.
-fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
-/// A field value: no control characters but horizontal tab.
-fn valid_value(value: &str) -> bool {
-    value.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+/// A header name the filter may set or remove: lowercase, as the gateway's header names
+/// are, and allowed by the gateway's rules (an HTTP token it does not own), checked by the
+/// same code the node applies to the filter's answer.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.bytes().any(|b| b.is_ascii_uppercase()) {
+        return Err(format!("{name:?} is not a lowercase header name"));
+    }
+    match rules::output::header_name(name.as_bytes()) {
+        Ok(()) => Ok(()),
+        Err(Rule::ReservedHeader) => Err(format!("{name:?} is a header the gateway owns")),
+        Err(_) => Err(format!("{name:?} is not a lowercase header name")),
+    }
 }
 
 /// Parses and checks a config; empty means "nothing to change".
@@ -54,17 +58,13 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config, String> {
     }
     let cfg: Config = postern_filter_sdk::serde_json::from_slice(bytes).map_err(|e| format!("invalid config: {e}"))?;
     for (name, value) in &cfg.set {
-        if !valid_name(name) {
-            return Err(format!("invalid config: set: {name:?} is not a lowercase header name"));
-        }
-        if !valid_value(value) {
+        check_name(name).map_err(|e| format!("invalid config: set: {e}"))?;
+        if rules::output::header_value(value.as_bytes()).is_err() {
             return Err(format!("invalid config: set: the value of {name:?} has control characters"));
         }
     }
     for name in &cfg.remove {
-        if !valid_name(name) {
-            return Err(format!("invalid config: remove: {name:?} is not a lowercase header name"));
-        }
+        check_name(name).map_err(|e| format!("invalid config: remove: {e}"))?;
         if cfg.set.contains_key(name) {
             return Err(format!("invalid config: {name:?} is both set and removed"));
         }
@@ -128,6 +128,7 @@ mod tests {
         assert!(e.is_removed("x-debug"));
         assert!(e.append_headers.is_empty());
         assert!(e.path.is_none());
+        assert_eq!(testing::check(&d), Ok(()), "the node applies it");
     }
 
     #[test]
@@ -145,12 +146,21 @@ mod tests {
         testing::set_config(r#"{"set": {"X-Upper": "v"}}"#);
         let err = HeaderInjector::init().unwrap_err();
         assert!(err.contains("\"X-Upper\" is not a lowercase header name"), "{err}");
+        for owned in ["x-auth-subject", "x_auth_subject", "host", "content-length"] {
+            testing::set_config(format!(r#"{{"set": {{"{owned}": "v"}}}}"#));
+            let err = HeaderInjector::init().unwrap_err();
+            assert!(err.contains("is a header the gateway owns"), "{owned}: {err}");
+            // What the node would do with it, had init let it through.
+            let d = Decision::forward().set_header(owned, "v");
+            assert_eq!(testing::check(&d), Err(testing::Rule::ReservedHeader), "{owned}");
+        }
     }
 
     #[test]
     fn tags_the_response() {
         let e = HeaderInjector::on_response(&testing::response(200), &testing::context());
         assert_eq!(e.set_value_str("x-filter"), Some("header-injector"));
+        assert_eq!(testing::check_response(&e), Ok(()));
     }
 
     #[test]

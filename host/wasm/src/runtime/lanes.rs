@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use wasmtime::component::{ComponentExportIndex, ComponentNamedList, Lift, Lower, ResourceTable};
 use wasmtime::{Engine, Store, UpdateDeadline};
 
+use super::epoch::Epoch;
 use super::fit::{call_decision_fits, call_response_fits};
 use super::state::{State, classify};
 use super::wit::{
@@ -62,8 +63,7 @@ impl Runtime {
         if self.metering && b.stats.pool_until_ms.load(Ordering::Relaxed) > coarse_ms() {
             return None;
         }
-        let (store, result) =
-            call_in_fresh_instance(&self.engine, self.metering, Lane::Worker, b, export, params, start);
+        let (store, result) = call_in_fresh_instance(self.sandbox(), Lane::Worker, b, export, params, start);
         // Out of the slice's fuel (not the filter's own) or memory: the filter needs more
         // than a slice, so it runs again on the idle pool, as its next calls will.
         let state = store.data();
@@ -95,7 +95,7 @@ impl Runtime {
         R: ComponentNamedList + Lift + Send + 'static,
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let (engine, metering, b) = (self.engine.clone(), self.metering, b.clone());
+        let (engine, epoch, metering, b) = (self.engine.clone(), self.epoch.clone(), self.metering, b.clone());
         let deadline = start + b.limits.deadline();
         let job: Job = Box::new(move || {
             if tx.is_closed() {
@@ -105,7 +105,14 @@ impl Runtime {
                 let _ = tx.send(Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() });
                 return;
             }
-            let (store, result) = call_in_fresh_instance(&engine, metering, Lane::Pool, &b, export, params, start);
+            let (store, result) = call_in_fresh_instance(
+                Sandbox { engine: &engine, epoch: &epoch, metering },
+                Lane::Pool,
+                &b,
+                export,
+                params,
+                start,
+            );
             let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
             let _ = tx.send(finish(metering, store, result, start));
         });
@@ -249,8 +256,28 @@ pub(super) enum Lane {
 }
 
 /// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
-/// call is interrupted, at the first epoch tick (1 ms) after it.
-pub(super) fn new_store(engine: &Engine, metering: bool, lane: Lane, b: &Binding, start: Instant) -> Store<State> {
+/// call is interrupted, at the first epoch tick (1 ms) after it; the store keeps the
+/// epoch thread ticking while it lives.
+/// What a store is made in: the engine, its epoch thread, and whether calls are metered.
+#[derive(Clone, Copy)]
+pub(super) struct Sandbox<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) epoch: &'a Arc<Epoch>,
+    pub(super) metering: bool,
+}
+
+impl Runtime {
+    pub(super) fn sandbox(&self) -> Sandbox<'_> {
+        Sandbox { engine: &self.engine, epoch: &self.epoch, metering: self.metering }
+    }
+}
+
+pub(super) fn new_store(
+    Sandbox { engine, epoch, metering }: Sandbox<'_>,
+    lane: Lane,
+    b: &Binding,
+    start: Instant,
+) -> Store<State> {
     let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
     let state = State {
         table: ResourceTable::new(),
@@ -271,6 +298,7 @@ pub(super) fn new_store(engine: &Engine, metering: bool, lane: Lane, b: &Binding
         fuel: 0,
         logs: Vec::new(),
         counters: Vec::new(),
+        _awake: metering.then(|| epoch.awake()),
     };
     let mut store = Store::new(engine, state);
     store.limiter(|s| s);
@@ -292,8 +320,7 @@ pub(super) fn new_store(engine: &Engine, metering: bool, lane: Lane, b: &Binding
 /// `export` with `params`: the store (for its records) and the answer or why there is
 /// none.
 fn call_in_fresh_instance<P, R>(
-    engine: &Engine,
-    metering: bool,
+    sandbox: Sandbox<'_>,
     lane: Lane,
     b: &Binding,
     export: fn(&Exports) -> &ComponentExportIndex,
@@ -304,7 +331,7 @@ where
     P: ComponentNamedList + Lower,
     R: ComponentNamedList + Lift,
 {
-    let mut store = new_store(engine, metering, lane, b, start);
+    let mut store = new_store(sandbox, lane, b, start);
     let result = match b.module.pre.instantiate(&mut store) {
         Err(e) => Err(classify(&e, store.data(), Outcome::Instantiate)),
         Ok(instance) => typed::<P, R>(&instance, &mut store, export(&b.module.exports))

@@ -6,18 +6,19 @@
 //!   filter may import;
 //! * `prepare`: `init` and pre-initialisation for an attachment's config;
 //! * `lanes`: the worker's slice and the idle pool;
-//! * `fit`: the size limits of an answer.
+//! * `fit`: the size limits of an answer;
+//! * `epoch`: the thread that advances the epoch while a call runs.
 //!
 //! One [`Runtime`] per process: a wasmtime engine with the pooling allocator, fuel and
 //! epoch interruption, an on-disk cache of compiled code keyed by content and engine
-//! version, and a thread that advances the epoch every millisecond. A [`Module`] is
+//! version, and a thread that advances the epoch every millisecond while a call runs (and
+//! sleeps while none does). A [`Module`] is
 //! compiled once per digest (when a snapshot is built, never on the request path) and
 //! pre-instantiated. Each call gets a fresh `Store` and instance, so nothing survives
 //! between requests.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -29,6 +30,7 @@ use postern_model::wasm::Limits;
 
 use crate::stats::{FilterStats, Outcome};
 
+mod epoch;
 mod fit;
 mod imports;
 mod lanes;
@@ -165,7 +167,8 @@ pub struct Runtime {
     modules: Mutex<HashMap<String, Arc<Module>>>,
     /// Modules prepared for a config ([`Runtime::prepare`]).
     prepared: Mutex<HashMap<PreparedKey, Arc<Module>>>,
-    stop: Arc<AtomicBool>,
+    /// Advances the epoch while a call runs.
+    epoch: Arc<epoch::Epoch>,
     /// The idle pool's queue ([`start_pool`]).
     pool: std::sync::mpsc::SyncSender<Job>,
     /// Platform maxima.
@@ -181,7 +184,7 @@ impl std::fmt::Debug for Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.epoch.stop();
     }
 }
 
@@ -224,7 +227,7 @@ impl<T> Call<T> {
 }
 
 impl Runtime {
-    /// Builds the engine and starts the epoch thread.
+    /// Builds the engine and starts the epoch thread (asleep until a call runs).
     pub fn new(cfg: &RuntimeConfig) -> anyhow::Result<Arc<Runtime>> {
         let mut config = Config::new();
         config.consume_fuel(cfg.metering);
@@ -263,22 +266,13 @@ impl Runtime {
         bindings::Filter::add_to_linker::<State, HasSelf<State>>(&mut linker, |s| s)?;
         wasi_stubs::add_to_linker(&mut linker)?;
 
-        let stop = Arc::new(AtomicBool::new(false));
-        let (e, s) = (engine.clone(), stop.clone());
-        crate::clock::tick();
-        std::thread::Builder::new().name("postern-epoch".into()).spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(1));
-                e.increment_epoch();
-                crate::clock::tick();
-            }
-        })?;
+        let epoch = epoch::Epoch::start(engine.clone())?;
         Ok(Arc::new(Runtime {
             engine,
             linker,
             modules: Mutex::new(HashMap::new()),
             prepared: Mutex::new(HashMap::new()),
-            stop,
+            epoch,
             pool: start_pool(cfg.pool_threads)?,
             maxima: cfg.maxima,
             metering: cfg.metering,
@@ -343,6 +337,7 @@ fn check_imports<'a>(names: impl Iterator<Item = &'a str>) -> Result<(), LoadErr
 pub(crate) mod tests {
     #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
+    use std::sync::atomic::Ordering;
     use std::time::Instant;
 
     use super::lanes::{Lane, new_store};
@@ -457,7 +452,7 @@ pub(crate) mod tests {
     fn the_call_signatures_are_the_wits() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
         let b = binding(&rt, "well_behaved", "", Limits::default());
-        let mut store = new_store(&rt.engine, true, Lane::Pool, &b, Instant::now());
+        let mut store = new_store(rt.sandbox(), Lane::Pool, &b, Instant::now());
         let instance = b.module.pre.instantiate(&mut store).unwrap();
         let exports = &b.module.exports;
         instance.get_typed_func::<Init<'_>, InitResult>(&mut store, &exports.init).unwrap();
@@ -526,16 +521,32 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn the_coarse_clock_follows_the_epoch_thread() {
-        let _rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
-        let (before, start) = (coarse_ms(), Instant::now());
-        // It advances with the ticks (waiting up to 2 s: a busy host may delay the thread).
-        while coarse_ms() < before + 25 && start.elapsed() < Duration::from_secs(2) {
+    fn the_epoch_thread_ticks_only_while_a_call_runs_and_the_coarse_clock_follows() {
+        let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
+        let b = binding(&rt, "well_behaved", "", Limits::default());
+        // Idle: no tick, and the coarse clock reads the clock itself.
+        let (idle, start) = (rt.epoch.ticks(), Instant::now());
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(rt.epoch.ticks(), idle, "an idle runtime wakes no thread");
+        assert!(coarse_ms() + 2 >= clock_ms(), "idle, the coarse clock is the clock");
+        // A live store (a call running) keeps it ticking, every millisecond.
+        let store = new_store(rt.sandbox(), Lane::Pool, &b, Instant::now());
+        let before = coarse_ms();
+        while (rt.epoch.ticks() < idle + 20 || coarse_ms() < before + 20) && start.elapsed() < Duration::from_secs(2) {
             std::thread::sleep(Duration::from_millis(5));
         }
         let after = coarse_ms();
-        assert!(after >= before + 25, "{before} -> {after} in {:?}", start.elapsed());
+        assert!(rt.epoch.ticks() >= idle + 20, "ticks while a store lives");
+        assert!(after >= before + 20, "{before} -> {after} in {:?}", start.elapsed());
         assert!(after <= clock_ms(), "never ahead of the clock it follows");
+        drop(store);
+        std::thread::sleep(Duration::from_millis(20));
+        let stopped = rt.epoch.ticks();
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(rt.epoch.ticks(), stopped, "asleep again once no store lives");
+        // And a deadline still ends a call after the idle spell.
+        let lf = binding(&rt, "loop_forever", "", Limits { fuel: u64::MAX / 2, deadline_ms: 50, ..Limits::default() });
+        assert_eq!(call(&rt, &lf).result.unwrap_err(), Outcome::Deadline);
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct State {
     /// run again after its slice is not counted twice.
     pub(super) logs: Vec<(Level, String)>,
     pub(super) counters: Vec<(String, u64)>,
+    /// Keeps the epoch thread ticking while the store lives (when metering).
+    pub(super) _awake: Option<super::epoch::Awake>,
 }
 
 impl wasmtime::ResourceLimiter for State {

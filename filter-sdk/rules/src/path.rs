@@ -11,32 +11,35 @@
 //! The output is idempotent (`canonical(canonical(p)) == canonical(p)`) and never holds a
 //! dot segment. A path already in canonical form is returned borrowed, after one scan.
 
-use std::borrow::Cow;
-
-use serde::{Deserialize, Serialize};
+use alloc::borrow::Cow;
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
 
 /// What the platform does with the parts of a path that backends read differently
 /// (`platform/gateway.yaml`, `paths:`). Every default refuses.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(deny_unknown_fields, rename_all = "camelCase"))]
 pub struct PathPolicy {
     /// `%2F` inside a segment.
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub encoded_slash: EncodedSlash,
     /// `\` and `%5C`.
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub backslash: Backslash,
     /// `;` (path parameters, as in `/a;jsessionid=1/b`).
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub semicolon: Semicolon,
     /// Empty segments (`//`) before the last segment.
-    #[serde(default)]
+    #[cfg_attr(feature = "serde", serde(default))]
     pub empty_segments: EmptySegments,
 }
 
 /// What to do with `%2F`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum EncodedSlash {
     /// 400: a backend that decodes it would see another path.
     #[default]
@@ -46,8 +49,9 @@ pub enum EncodedSlash {
 }
 
 /// What to do with `\` and `%5C`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum Backslash {
     /// 400.
     #[default]
@@ -57,8 +61,9 @@ pub enum Backslash {
 }
 
 /// What to do with `;`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum Semicolon {
     /// 400.
     #[default]
@@ -70,8 +75,9 @@ pub enum Semicolon {
 }
 
 /// What to do with an empty segment that is not the last (`/a//b`, `//a`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum EmptySegments {
     /// 400.
     #[default]
@@ -81,28 +87,21 @@ pub enum EmptySegments {
 }
 
 /// Why a path has no canonical form under the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PathError {
     /// Not an absolute path (`*`, an empty path, a relative one).
-    #[error("the path must start with '/'")]
     NotAbsolute,
     /// A `%` not followed by two hex digits.
-    #[error("the path has a '%' that is not followed by two hex digits")]
     BadEscape,
     /// A NUL, plain or encoded (`%00`).
-    #[error("the path has a NUL (%00)")]
     Nul,
     /// `%2F`, refused by the policy.
-    #[error("the path has an encoded '/' (%2F)")]
     EncodedSlash,
     /// `\` or `%5C`, refused by the policy.
-    #[error("the path has a backslash")]
     Backslash,
     /// `;`, refused by the policy.
-    #[error("the path has a ';'")]
     Semicolon,
     /// An empty segment, refused by the policy.
-    #[error("the path has an empty segment ('//')")]
     EmptySegment,
 }
 
@@ -120,6 +119,14 @@ impl PathError {
         }
     }
 }
+
+impl core::fmt::Display for PathError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl core::error::Error for PathError {}
 
 /// RFC 3986 unreserved: ALPHA / DIGIT / `-` / `.` / `_` / `~`.
 fn unreserved(b: u8) -> bool {
@@ -396,6 +403,9 @@ mod tests {
     }
 
     mod prop {
+        use alloc::borrow::ToOwned;
+        use alloc::string::String;
+
         use proptest::prelude::*;
 
         use super::super::*;

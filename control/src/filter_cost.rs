@@ -1,0 +1,357 @@
+//! `posternctl filter cost`: what each filter attached to a route costs — calls by
+//! outcome, fuel and duration percentiles, refusals by rule, quarantines and reruns —
+//! read from a node's admin endpoint (the `postern_filter_*` series of its `/metrics`),
+//! since the node started or over a window (two reads, the difference between them).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// One sample of the Prometheus text format: `name{labels} value`.
+#[derive(Debug, Clone, PartialEq)]
+struct Sample {
+    name: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+impl Sample {
+    fn label(&self, name: &str) -> Option<&str> {
+        self.labels.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// The samples of a metrics page (comments and lines that do not parse are skipped).
+fn parse(text: &str) -> Vec<Sample> {
+    text.lines().filter(|l| !l.starts_with('#')).filter_map(parse_line).collect()
+}
+
+fn parse_line(line: &str) -> Option<Sample> {
+    let line = line.trim();
+    let name_end = line.find(['{', ' '])?;
+    let name = line[..name_end].to_owned();
+    let mut labels = Vec::new();
+    let mut rest = &line[name_end..];
+    if let Some(inner) = rest.strip_prefix('{') {
+        let mut chars = inner.char_indices();
+        let mut key = String::new();
+        loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '}' => {
+                    rest = &inner[i + 1..];
+                    break;
+                }
+                ',' | ' ' => {}
+                '=' => {
+                    if chars.next()?.1 != '"' {
+                        return None;
+                    }
+                    let mut value = String::new();
+                    loop {
+                        match chars.next()?.1 {
+                            '"' => break,
+                            '\\' => match chars.next()?.1 {
+                                'n' => value.push('\n'),
+                                c => value.push(c),
+                            },
+                            c => value.push(c),
+                        }
+                    }
+                    labels.push((std::mem::take(&mut key), value));
+                }
+                c => key.push(c),
+            }
+        }
+    }
+    let value = rest.split_whitespace().next()?.parse().ok()?;
+    Some(Sample { name, labels, value })
+}
+
+/// A cumulative histogram: `(upper bound, count at or below it)`, with its sum.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Histogram {
+    /// Upper bounds (`le`) and cumulative counts, in increasing order.
+    pub buckets: Vec<(f64, f64)>,
+    /// The sum of the observations.
+    pub sum: f64,
+    /// The number of observations.
+    pub count: f64,
+}
+
+impl Histogram {
+    /// The `q` quantile, interpolated within its bucket as Prometheus'
+    /// `histogram_quantile` does; `None` without observations. An observation above
+    /// the last finite bound reads as that bound.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count <= 0.0 {
+            return None;
+        }
+        let rank = q * self.count;
+        let (mut lo, mut below) = (0.0, 0.0);
+        for &(le, cum) in &self.buckets {
+            if cum >= rank {
+                if le.is_infinite() {
+                    return Some(lo);
+                }
+                let width = cum - below;
+                return Some(if width > 0.0 { lo + (le - lo) * (rank - below) / width } else { le });
+            }
+            (lo, below) = (le, cum);
+        }
+        Some(lo)
+    }
+
+    fn minus(&self, before: &Histogram) -> Histogram {
+        let buckets = self
+            .buckets
+            .iter()
+            .map(|&(le, cum)| {
+                let b = before.buckets.iter().find(|(l, _)| *l == le).map_or(0.0, |(_, c)| *c);
+                (le, (cum - b).max(0.0))
+            })
+            .collect();
+        Histogram { buckets, sum: (self.sum - before.sum).max(0.0), count: (self.count - before.count).max(0.0) }
+    }
+}
+
+/// What one filter on the route cost.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct FilterCost {
+    /// Calls by outcome (`ok`, `fuel_exhausted`, `deadline_exceeded`, `bad_output`, …).
+    pub calls: BTreeMap<String, u64>,
+    /// Answers refused, by the rule they broke.
+    pub refusals: BTreeMap<String, u64>,
+    /// Fuel per call.
+    pub fuel: Histogram,
+    /// Seconds per call, instantiation included.
+    pub duration_seconds: Histogram,
+    /// Times the filter was put in quarantine.
+    pub quarantines: u64,
+    /// Calls stopped on a worker and run again on the idle pool.
+    pub reruns: u64,
+}
+
+/// Every filter attached to `route` (`team/name`) in a metrics page, by filter name.
+pub fn costs(metrics: &str, route: &str) -> BTreeMap<String, FilterCost> {
+    let mut out: BTreeMap<String, FilterCost> = BTreeMap::new();
+    for s in parse(metrics) {
+        if !s.name.starts_with("postern_filter_") || s.label("route") != Some(route) {
+            continue;
+        }
+        let Some(filter) = s.label("filter") else { continue };
+        let f = out.entry(filter.to_owned()).or_default();
+        let n = s.value.max(0.0) as u64;
+        match s.name.as_str() {
+            "postern_filter_calls_total" => {
+                *f.calls.entry(s.label("outcome").unwrap_or("?").to_owned()).or_default() += n
+            }
+            "postern_filter_refusals_total" => {
+                *f.refusals.entry(s.label("rule").unwrap_or("?").to_owned()).or_default() += n;
+            }
+            "postern_filter_quarantines_total" => f.quarantines += n,
+            "postern_filter_reruns_total" => f.reruns += n,
+            name => {
+                let (h, part) = if let Some(part) = name.strip_prefix("postern_filter_fuel_") {
+                    (&mut f.fuel, part)
+                } else if let Some(part) = name.strip_prefix("postern_filter_duration_seconds_") {
+                    (&mut f.duration_seconds, part)
+                } else {
+                    continue;
+                };
+                match part {
+                    "bucket" => {
+                        let le = match s.label("le") {
+                            Some("+Inf") => f64::INFINITY,
+                            Some(le) => le.parse().unwrap_or(f64::INFINITY),
+                            None => continue,
+                        };
+                        h.buckets.push((le, s.value));
+                    }
+                    "sum" => h.sum = s.value,
+                    "count" => h.count = s.value,
+                    _ => {}
+                }
+            }
+        }
+    }
+    for f in out.values_mut() {
+        for h in [&mut f.fuel, &mut f.duration_seconds] {
+            h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+    }
+    out
+}
+
+/// What happened between two reads: `after` less `before`.
+pub fn window(
+    after: &BTreeMap<String, FilterCost>,
+    before: &BTreeMap<String, FilterCost>,
+) -> BTreeMap<String, FilterCost> {
+    let empty = FilterCost::default();
+    let less = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| -> BTreeMap<String, u64> {
+        a.iter().map(|(k, v)| (k.clone(), v.saturating_sub(b.get(k).copied().unwrap_or(0)))).collect()
+    };
+    after
+        .iter()
+        .map(|(name, a)| {
+            let b = before.get(name).unwrap_or(&empty);
+            let cost = FilterCost {
+                calls: less(&a.calls, &b.calls),
+                refusals: less(&a.refusals, &b.refusals),
+                fuel: a.fuel.minus(&b.fuel),
+                duration_seconds: a.duration_seconds.minus(&b.duration_seconds),
+                quarantines: a.quarantines.saturating_sub(b.quarantines),
+                reruns: a.reruns.saturating_sub(b.reruns),
+            };
+            (name.clone(), cost)
+        })
+        .collect()
+}
+
+/// The report as JSON: per filter, the counts and the p50/p90/p99 of fuel and duration.
+pub fn json(route: &str, window_s: Option<u64>, costs: &BTreeMap<String, FilterCost>) -> serde_json::Value {
+    let pct = |h: &Histogram| {
+        serde_json::json!({
+            "p50": h.quantile(0.5), "p90": h.quantile(0.9), "p99": h.quantile(0.99),
+            "mean": (h.count > 0.0).then(|| h.sum / h.count),
+        })
+    };
+    let filters: serde_json::Map<String, serde_json::Value> = costs
+        .iter()
+        .map(|(name, c)| {
+            let v = serde_json::json!({
+                "calls": c.calls.values().sum::<u64>(),
+                "outcomes": c.calls,
+                "refusals": c.refusals,
+                "fuel": pct(&c.fuel),
+                "duration_ms": pct(&Histogram {
+                    buckets: c.duration_seconds.buckets.iter().map(|&(le, n)| (le * 1e3, n)).collect(),
+                    sum: c.duration_seconds.sum * 1e3,
+                    count: c.duration_seconds.count,
+                }),
+                "quarantines": c.quarantines,
+                "reruns": c.reruns,
+            });
+            (name.clone(), v)
+        })
+        .collect();
+    serde_json::json!({"route": route, "window_s": window_s, "filters": filters})
+}
+
+/// The report as a table, one block per filter.
+pub fn table(route: &str, window_s: Option<u64>, costs: &BTreeMap<String, FilterCost>) -> String {
+    let mut out = String::new();
+    let over = window_s.map_or("since the node started".to_owned(), |s| format!("over {s} s"));
+    let _ = writeln!(out, "route {route}, {over}");
+    if costs.is_empty() {
+        let _ = writeln!(out, "  no Wasm filter calls on this route (is it the right route, and has it had traffic?)");
+    }
+    // One line of percentiles: `label  p50 …  p90 …  p99 …`.
+    let percentiles = |out: &mut String, label: &str, h: &Histogram, unit: &str, scale: f64| {
+        let values: Vec<String> = [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)]
+            .iter()
+            .map(|(name, q)| {
+                let v = h.quantile(*q).map_or("-".to_owned(), |v| format!("{:.3}{unit}", v * scale));
+                format!("{name} {v}")
+            })
+            .collect();
+        let _ = writeln!(out, "    {label:<9} {}", values.join("  "));
+    };
+    for (name, c) in costs {
+        let calls: u64 = c.calls.values().sum();
+        let outcomes: Vec<String> = c.calls.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        let _ = writeln!(
+            out,
+            "  filter {name}: {calls} calls ({})",
+            if outcomes.is_empty() { "-".to_owned() } else { outcomes.join(", ") }
+        );
+        percentiles(&mut out, "fuel", &c.fuel, "", 1.0);
+        percentiles(&mut out, "duration", &c.duration_seconds, " ms", 1e3);
+        let refusals: Vec<String> =
+            c.refusals.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
+        let _ = writeln!(
+            out,
+            "    quarantines {}  reruns on the idle pool {}  refused answers {}",
+            c.quarantines,
+            c.reruns,
+            if refusals.is_empty() { "0".to_owned() } else { refusals.join(", ") }
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const PAGE: &str = r#"# HELP postern_filter_calls_total Wasm filter calls by route, filter and outcome.
+# TYPE postern_filter_calls_total counter
+postern_filter_calls_total{route="echo/echo-v1",filter="header-injector",outcome="ok"} 90
+postern_filter_calls_total{route="echo/echo-v1",filter="header-injector",outcome="deadline_exceeded"} 10
+postern_filter_calls_total{route="orders/o",filter="ab-tagger",outcome="ok"} 5
+postern_filter_refusals_total{route="echo/echo-v1",filter="header-injector",rule="reserved_header"} 3
+postern_filter_fuel_bucket{route="echo/echo-v1",filter="header-injector",le="1000"} 50
+postern_filter_fuel_bucket{route="echo/echo-v1",filter="header-injector",le="10000"} 100
+postern_filter_fuel_bucket{route="echo/echo-v1",filter="header-injector",le="+Inf"} 100
+postern_filter_fuel_sum{route="echo/echo-v1",filter="header-injector"} 123456
+postern_filter_fuel_count{route="echo/echo-v1",filter="header-injector"} 100
+postern_filter_duration_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="0.0001"} 99
+postern_filter_duration_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="0.001"} 100
+postern_filter_duration_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="+Inf"} 100
+postern_filter_duration_seconds_sum{route="echo/echo-v1",filter="header-injector"} 0.005
+postern_filter_duration_seconds_count{route="echo/echo-v1",filter="header-injector"} 100
+postern_filter_quarantines_total{route="echo/echo-v1",filter="header-injector"} 1
+postern_filter_reruns_total{route="echo/echo-v1",filter="header-injector"} 2
+postern_requests_total{route="echo/echo-v1",status="2xx"} 100
+"#;
+
+    #[test]
+    fn a_route_s_filters_are_read_from_the_metrics() {
+        let c = costs(PAGE, "echo/echo-v1");
+        assert_eq!(c.keys().collect::<Vec<_>>(), ["header-injector"]);
+        let h = &c["header-injector"];
+        assert_eq!(h.calls["ok"], 90);
+        assert_eq!(h.calls["deadline_exceeded"], 10);
+        assert_eq!(h.refusals["reserved_header"], 3);
+        assert_eq!((h.quarantines, h.reruns), (1, 2));
+        assert_eq!(h.fuel.quantile(0.5), Some(1000.0));
+        assert_eq!(h.fuel.quantile(0.75), Some(5500.0), "interpolated in its bucket");
+        assert_eq!(h.duration_seconds.quantile(0.99), Some(0.0001));
+        assert_eq!(Histogram::default().quantile(0.5), None);
+        assert!(costs(PAGE, "nope/none").is_empty());
+        let text = table("echo/echo-v1", None, &c);
+        assert!(text.contains("filter header-injector: 100 calls (deadline_exceeded 10, ok 90)"), "{text}");
+        assert!(text.contains("refused answers reserved_header 3"), "{text}");
+        let v = json("echo/echo-v1", Some(10), &c);
+        assert_eq!(v["filters"]["header-injector"]["calls"], 100);
+        let p99 = v["filters"]["header-injector"]["duration_ms"]["p99"].as_f64().unwrap();
+        assert!((p99 - 0.1).abs() < 1e-9, "{p99}");
+    }
+
+    #[test]
+    fn a_window_is_the_difference_of_two_reads() {
+        let before = costs(PAGE, "echo/echo-v1");
+        let later =
+            PAGE.replace("outcome=\"ok\"} 90", "outcome=\"ok\"} 190").replace("le=\"+Inf\"} 100", "le=\"+Inf\"} 200");
+        let w = window(&costs(&later, "echo/echo-v1"), &before);
+        let h = &w["header-injector"];
+        assert_eq!(h.calls["ok"], 100);
+        assert_eq!(h.calls["deadline_exceeded"], 0);
+        assert_eq!(h.quarantines, 0);
+        assert_eq!(h.fuel.buckets.last(), Some(&(f64::INFINITY, 100.0)));
+    }
+
+    #[test]
+    fn label_values_with_escapes_parse() {
+        let s = parse_line(r#"m{a="x\"y",b="1\\2"} 3.5"#).unwrap();
+        assert_eq!(s.labels, [("a".to_owned(), "x\"y".to_owned()), ("b".to_owned(), "1\\2".to_owned())]);
+        assert_eq!(s.value, 3.5);
+        assert_eq!(parse_line("plain 7").unwrap().value, 7.0);
+        assert!(parse_line("broken{a=1} 2").is_none());
+        assert!(parse_line("m{a=\"unterminated").is_none());
+    }
+}
