@@ -87,8 +87,7 @@ fi
 sha() { printf %s "$1" | sha256sum | cut -d' ' -f1; }
 cat > "$state/tokens.json" <<J
 [{"name": "demo", "role": "platform", "sha256": "$(sha "$PLATFORM_TOKEN")"},
- {"name": "nodes", "role": "node", "sha256": "$(sha "$NODE_TOKEN")"},
- {"name": "echo-team", "role": "team:echo", "sha256": "$(sha "echo-team-$PLATFORM_TOKEN")"}]
+ {"name": "nodes", "role": "node", "sha256": "$(sha "$NODE_TOKEN")"}]
 J
 
 step "control plane: posternctl serve on $control (store $state/store; log: $state/control.log)"

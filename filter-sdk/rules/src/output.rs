@@ -153,7 +153,7 @@ const OWNED: [&[u8]; 11] = [
 
 /// Whether `name` is one the gateway owns, in any case and in every spelling a backend
 /// folds to it.
-pub fn reserved(name: &[u8]) -> bool {
+fn reserved(name: &[u8]) -> bool {
     let prefix = b"x-auth-";
     (name.len() >= prefix.len() && folds_to(&name[..prefix.len()], prefix)) || OWNED.iter().any(|o| folds_to(name, o))
 }
@@ -209,8 +209,9 @@ pub fn path(p: &str, policy: Option<&PathPolicy>) -> Result<(), Rule> {
     }
 }
 
-/// Header changes: their count and weight against `bounds`, then every name and value.
-pub fn headers<N, V>(set: &[(N, V)], append: &[(N, V)], remove: &[N], bounds: &Bounds) -> Result<(), Rule>
+/// The count and weight of header changes against `bounds` (what the node checks on the
+/// thread that ran the call, before the rest).
+pub fn sizes<N, V>(set: &[(N, V)], append: &[(N, V)], remove: &[N], bounds: &Bounds) -> Result<(), Rule>
 where
     N: AsRef<str>,
     V: AsRef<[u8]>,
@@ -224,6 +225,16 @@ where
     if bytes > bounds.max_header_bytes {
         return Err(Rule::HeaderBytes);
     }
+    Ok(())
+}
+
+/// Header changes: their [`sizes`], then every name and value.
+pub fn headers<N, V>(set: &[(N, V)], append: &[(N, V)], remove: &[N], bounds: &Bounds) -> Result<(), Rule>
+where
+    N: AsRef<str>,
+    V: AsRef<[u8]>,
+{
+    sizes(set, append, remove, bounds)?;
     for k in remove {
         header_name(k.as_ref().as_bytes())?;
     }

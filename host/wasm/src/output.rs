@@ -56,15 +56,7 @@ pub fn sizes(
     remove: &[String],
     limits: &Limits,
 ) -> Result<(), Rule> {
-    if set.len() + append.len() + remove.len() > limits.max_headers {
-        return Err(Rule::HeaderCount);
-    }
-    let bytes: usize = set.iter().chain(append).map(|(k, v)| k.len() + v.len()).sum::<usize>()
-        + remove.iter().map(String::len).sum::<usize>();
-    if bytes > limits.max_header_bytes {
-        return Err(Rule::HeaderBytes);
-    }
-    Ok(())
+    rules::sizes(set, append, remove, &bounds(limits))
 }
 
 /// Every rule for a request-phase (or body-phase) decision; the path's canonical form

@@ -255,9 +255,6 @@ pub(super) enum Lane {
     Pool,
 }
 
-/// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
-/// call is interrupted, at the first epoch tick (1 ms) after it; the store keeps the
-/// epoch thread ticking while it lives.
 /// What a store is made in: the engine, its epoch thread, and whether calls are metered.
 #[derive(Clone, Copy)]
 pub(super) struct Sandbox<'a> {
@@ -272,6 +269,9 @@ impl Runtime {
     }
 }
 
+/// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
+/// call is interrupted, at the first epoch tick (1 ms) after it; the store keeps the
+/// epoch thread ticking while it lives.
 pub(super) fn new_store(
     Sandbox { engine, epoch, metering }: Sandbox<'_>,
     lane: Lane,
