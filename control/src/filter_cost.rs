@@ -1,5 +1,5 @@
 //! `posternctl filter cost`: what each filter attached to a route costs — calls by
-//! outcome, fuel and duration percentiles, refusals by rule, quarantines and reruns —
+//! outcome, fuel, duration and CPU percentiles, refusals by rule, quarantines and reruns —
 //! read from a node's admin endpoint (the `postern_filter_*` series of its `/metrics`),
 //! since the node started or over a window (two reads, the difference between them).
 
@@ -125,8 +125,10 @@ pub struct FilterCost {
     pub refusals: BTreeMap<String, u64>,
     /// Fuel per call.
     pub fuel: Histogram,
-    /// Seconds per call, instantiation included.
+    /// Wall seconds per call, instantiation included.
     pub duration_seconds: Histogram,
+    /// CPU seconds per call (what the deadline measures), from sampled calls.
+    pub cpu_seconds: Histogram,
     /// Times the filter was put in quarantine.
     pub quarantines: u64,
     /// Calls stopped on a worker and run again on the idle pool.
@@ -157,6 +159,8 @@ pub fn costs(metrics: &str, route: &str) -> BTreeMap<String, FilterCost> {
                     (&mut f.fuel, part)
                 } else if let Some(part) = name.strip_prefix("postern_filter_duration_seconds_") {
                     (&mut f.duration_seconds, part)
+                } else if let Some(part) = name.strip_prefix("postern_filter_cpu_seconds_") {
+                    (&mut f.cpu_seconds, part)
                 } else {
                     continue;
                 };
@@ -177,7 +181,7 @@ pub fn costs(metrics: &str, route: &str) -> BTreeMap<String, FilterCost> {
         }
     }
     for f in out.values_mut() {
-        for h in [&mut f.fuel, &mut f.duration_seconds] {
+        for h in [&mut f.fuel, &mut f.duration_seconds, &mut f.cpu_seconds] {
             h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
     }
@@ -202,6 +206,7 @@ pub fn window(
                 refusals: less(&a.refusals, &b.refusals),
                 fuel: a.fuel.minus(&b.fuel),
                 duration_seconds: a.duration_seconds.minus(&b.duration_seconds),
+                cpu_seconds: a.cpu_seconds.minus(&b.cpu_seconds),
                 quarantines: a.quarantines.saturating_sub(b.quarantines),
                 reruns: a.reruns.saturating_sub(b.reruns),
             };
@@ -210,8 +215,14 @@ pub fn window(
         .collect()
 }
 
-/// The report as JSON: per filter, the counts and the p50/p90/p99 of fuel and duration.
+/// The report as JSON: per filter, the counts and the p50/p90/p99 of fuel, duration and
+/// CPU time.
 pub fn json(route: &str, window_s: Option<u64>, costs: &BTreeMap<String, FilterCost>) -> serde_json::Value {
+    let ms = |h: &Histogram| Histogram {
+        buckets: h.buckets.iter().map(|&(le, n)| (le * 1e3, n)).collect(),
+        sum: h.sum * 1e3,
+        count: h.count,
+    };
     let pct = |h: &Histogram| {
         serde_json::json!({
             "p50": h.quantile(0.5), "p90": h.quantile(0.9), "p99": h.quantile(0.99),
@@ -226,11 +237,8 @@ pub fn json(route: &str, window_s: Option<u64>, costs: &BTreeMap<String, FilterC
                 "outcomes": c.calls,
                 "refusals": c.refusals,
                 "fuel": pct(&c.fuel),
-                "duration_ms": pct(&Histogram {
-                    buckets: c.duration_seconds.buckets.iter().map(|&(le, n)| (le * 1e3, n)).collect(),
-                    sum: c.duration_seconds.sum * 1e3,
-                    count: c.duration_seconds.count,
-                }),
+                "duration_ms": pct(&ms(&c.duration_seconds)),
+                "cpu_ms": pct(&ms(&c.cpu_seconds)),
                 "quarantines": c.quarantines,
                 "reruns": c.reruns,
             });
@@ -269,6 +277,7 @@ pub fn table(route: &str, window_s: Option<u64>, costs: &BTreeMap<String, Filter
         );
         percentiles(&mut out, "fuel", &c.fuel, "", 1.0);
         percentiles(&mut out, "duration", &c.duration_seconds, " ms", 1e3);
+        percentiles(&mut out, "cpu", &c.cpu_seconds, " ms", 1e3);
         let refusals: Vec<String> =
             c.refusals.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
         let _ = writeln!(
@@ -304,6 +313,11 @@ postern_filter_duration_seconds_bucket{route="echo/echo-v1",filter="header-injec
 postern_filter_duration_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="+Inf"} 100
 postern_filter_duration_seconds_sum{route="echo/echo-v1",filter="header-injector"} 0.005
 postern_filter_duration_seconds_count{route="echo/echo-v1",filter="header-injector"} 100
+postern_filter_cpu_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="0.00001"} 2
+postern_filter_cpu_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="0.000025"} 4
+postern_filter_cpu_seconds_bucket{route="echo/echo-v1",filter="header-injector",le="+Inf"} 4
+postern_filter_cpu_seconds_sum{route="echo/echo-v1",filter="header-injector"} 0.00005
+postern_filter_cpu_seconds_count{route="echo/echo-v1",filter="header-injector"} 4
 postern_filter_quarantines_total{route="echo/echo-v1",filter="header-injector"} 1
 postern_filter_reruns_total{route="echo/echo-v1",filter="header-injector"} 2
 postern_requests_total{route="echo/echo-v1",status="2xx"} 100
@@ -321,15 +335,19 @@ postern_requests_total{route="echo/echo-v1",status="2xx"} 100
         assert_eq!(h.fuel.quantile(0.5), Some(1000.0));
         assert_eq!(h.fuel.quantile(0.75), Some(5500.0), "interpolated in its bucket");
         assert_eq!(h.duration_seconds.quantile(0.99), Some(0.0001));
+        assert_eq!(h.cpu_seconds.quantile(0.5), Some(0.00001));
         assert_eq!(Histogram::default().quantile(0.5), None);
         assert!(costs(PAGE, "nope/none").is_empty());
         let text = table("echo/echo-v1", None, &c);
         assert!(text.contains("filter header-injector: 100 calls (deadline_exceeded 10, ok 90)"), "{text}");
         assert!(text.contains("refused answers reserved_header 3"), "{text}");
+        assert!(text.contains("    cpu       p50 0.010 ms  p90 0.022 ms  p99 0.025 ms"), "{text}");
         let v = json("echo/echo-v1", Some(10), &c);
         assert_eq!(v["filters"]["header-injector"]["calls"], 100);
         let p99 = v["filters"]["header-injector"]["duration_ms"]["p99"].as_f64().unwrap();
         assert!((p99 - 0.1).abs() < 1e-9, "{p99}");
+        let cpu = v["filters"]["header-injector"]["cpu_ms"]["p50"].as_f64().unwrap();
+        assert!((cpu - 0.01).abs() < 1e-9, "{cpu}");
     }
 
     #[test]

@@ -529,14 +529,24 @@ pub mod wasm_fixture {
             "trap",
             ", config: response, responsePhase: true, failure: fail_open",
         ));
-        routes.push_str(
-            "  - name: plain\n    public: true\n    match: { path: { value: /plain } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
-        );
-        repo.write("teams/t/routes.yaml", &routes);
+        routes.push_str(&plain_route("plain", "/plain"));
+        let node = start_node(&repo, &routes);
+        Fixture { node, echo, repo }
+    }
+
+    /// A route without filters at `path` to the backend `e`.
+    pub fn plain_route(name: &str, path: &str) -> String {
+        format!(
+            "  - name: {name}\n    public: true\n    match: {{ path: {{ value: {path} }} }}\n    backendRefs: [{{ name: e }}]\n    timeouts: {{ connect: 1s, response: 5s }}\n"
+        )
+    }
+
+    /// Writes `routes` as team `t`'s, compiles the repository and starts a node on it.
+    pub fn start_node(repo: &Repo, routes: &str) -> Node {
+        repo.write("teams/t/routes.yaml", routes);
         let snap = repo.path().join("out/snapshot.json");
         std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
         repo.compile_ok(&snap);
-        let node = Node::start(&snap, &[]);
-        Fixture { node, echo, repo }
+        Node::start(&snap, &[])
     }
 }

@@ -26,7 +26,7 @@ async fn p99(url: &str, n: usize) -> Duration {
 }
 
 /// Four clients sending to `url` until `stop`, each expecting 200, or with `outcome` 503
-/// and the outcome (or `deadline_exceeded`) in the detail; each answers how many requests
+/// and the outcome (or `overloaded`) in the detail; each answers how many requests
 /// it sent.
 fn hammer(url: String, outcome: Option<&'static str>, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<u64>> {
     (0..4)
@@ -42,10 +42,10 @@ fn hammer(url: String, outcome: Option<&'static str>, stop: &Arc<AtomicBool>) ->
                         Some(outcome) => {
                             assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{url}");
                             // Demoted to the idle pool, a filter may also be starved past its
-                            // deadline: the lowest priority is the point.
+                            // wall-clock backstop: the lowest priority is the point.
                             let detail = r.json()["detail"].as_str().unwrap_or_default().to_owned();
                             assert!(
-                                detail.contains(outcome) || detail.ends_with("deadline_exceeded"),
+                                detail.contains(outcome) || detail.ends_with("overloaded"),
                                 "{url}: expected {outcome}, got {detail:?}"
                             );
                         }

@@ -141,9 +141,17 @@ impl Limits {
         out
     }
 
-    /// The deadline as a duration.
+    /// The deadline as a duration: CPU time of the thread running the call.
     pub fn deadline(&self) -> Duration {
         Duration::from_millis(self.deadline_ms)
+    }
+
+    /// How long a call on the idle pool may take in wall time, from its request's first
+    /// start (queue wait included): four times the deadline and 50 ms more (70 ms for the
+    /// default 5 ms, 250 ms at the maximum). Past it the node was too busy to give the
+    /// filter its CPU time, and the call is `overloaded`, never the filter's failure.
+    pub fn wall_backstop(&self) -> Duration {
+        self.deadline().checked_mul(4).and_then(|d| d.checked_add(Duration::from_millis(50))).unwrap_or(Duration::MAX)
     }
 }
 

@@ -187,10 +187,14 @@ impl WasmFilter {
         }
     }
 
-    /// Records a failed call: its outcome, towards quarantine, and after a costly failure
-    /// the route's next calls go to the idle pool, off the workers.
+    /// Records a failed call: its outcome, towards quarantine when the filter caused it
+    /// (not when the node was overloaded), and after a costly failure the route's next
+    /// calls go to the idle pool, off the workers.
     fn failed(&self, kind: Outcome, fuel: u64, took: std::time::Duration) {
         self.binding.stats.record(kind, fuel, took);
+        if kind.is_node_failure() {
+            return;
+        }
         self.judge(true);
         if kind.is_costly() {
             self.binding.stats.demote();
@@ -440,5 +444,38 @@ mod tests {
         let mut out = String::new();
         f.binding.stats.render(&mut out, "f=\"x\"");
         assert!(out.contains("postern_filter_calls_total{f=\"x\",outcome=\"fuel_exhausted\"} 2"), "{out}");
+    }
+
+    #[test]
+    fn calls_the_busy_node_could_not_run_are_overloaded_and_never_quarantine_the_filter() {
+        // 10 ms of work per call, 300 calls at once on the idle pool's two threads: the
+        // queue (256) overflows and most queued calls pass the 130 ms backstop unrun.
+        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 20, host_calls: 100_000, ..Limits::default() };
+        let f = filter("slow_counter", serde_json::json!({"spin_us": 10000}), limits);
+        let cx = Context::new(Arc::from("t/r"), HeaderValue::from_static("1"));
+        let mut reqs: Vec<RequestHead> = (0..300).map(|_| head()).collect();
+        let mut waits: Vec<_> = reqs
+            .iter_mut()
+            .map(|r| match f.on_request(r, &cx) {
+                Flow::Wait(fut) => Some(fut),
+                _ => panic!("expected a future for the pool"),
+            })
+            .collect();
+        let tokio = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        tokio.block_on(std::future::poll_fn(|task| {
+            for w in waits.iter_mut() {
+                if let Some(fut) = w
+                    && fut.as_mut().poll(task).is_ready()
+                {
+                    *w = None;
+                }
+            }
+            if waits.iter().all(Option::is_none) { std::task::Poll::Ready(()) } else { std::task::Poll::Pending }
+        }));
+        let (ok, overloaded) = (f.binding.stats.count(Outcome::Ok), f.binding.stats.count(Outcome::Overloaded));
+        assert!(ok >= 1 && overloaded >= 200, "ok {ok}, overloaded {overloaded}");
+        assert_eq!(ok + overloaded, 300);
+        assert_eq!(f.binding.stats.quarantines.load(Ordering::Relaxed), 0);
+        assert!(!f.quarantined(), "the node's overload is not the filter's failure");
     }
 }

@@ -1,6 +1,6 @@
 //! Postern's Wasm filter runtime. Teams' filters are WebAssembly components (the
 //! `postern:filter` world in `wit/`) that run in a fresh sandbox for every request under
-//! hard limits — fuel, linear memory, a wall-clock deadline, host calls and output size —
+//! hard limits — fuel, linear memory, a deadline of CPU time, host calls and output size —
 //! and attach to routes as ordinary filters on the filter contract.
 //!
 //! * [`runtime`]: the engine (pooling allocator, fuel, epochs, on-disk code cache),

@@ -19,7 +19,7 @@ pub enum Outcome {
     Ok,
     /// Ran out of fuel.
     Fuel,
-    /// Passed its wall-clock deadline.
+    /// Used its deadline of CPU time (the thread's, not the wall clock's).
     Deadline,
     /// Asked for more linear memory (or tables, instances) than allowed.
     Memory,
@@ -38,7 +38,9 @@ pub enum Outcome {
     Instantiate,
     /// Skipped without running: the filter is quarantined on this route.
     Quarantined,
-    /// Not run: the idle pool's queue was full.
+    /// Not run, or stopped unfinished, because the node was too busy, not because of
+    /// the filter: the idle pool's queue was full, or its wall-clock backstop passed
+    /// before the filter had used its deadline of CPU. Never counts towards quarantine.
     Overloaded,
 }
 
@@ -92,6 +94,11 @@ impl Outcome {
         )
     }
 
+    /// A failure of the node, not of the filter: it never counts towards quarantine.
+    pub fn is_node_failure(self) -> bool {
+        matches!(self, Outcome::Overloaded | Outcome::Quarantined)
+    }
+
     fn index(self) -> usize {
         let kind = std::mem::discriminant(&self);
         Outcome::ALL.iter().position(|o| std::mem::discriminant(o) == kind).unwrap_or(0)
@@ -99,7 +106,7 @@ impl Outcome {
 }
 
 const FUEL_BOUNDS: [u64; 8] = [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000, 1_000_000_000, u64::MAX];
-const TIME_BOUNDS_US: [u64; 10] = [5, 10, 25, 50, 100, 250, 1_000, 5_000, 50_000, u64::MAX];
+const TIME_BOUNDS_US: [u64; 12] = [5, 10, 25, 50, 100, 250, 1_000, 5_000, 25_000, 100_000, 250_000, u64::MAX];
 
 /// Counters of one filter on one route.
 #[derive(Debug, Default)]
@@ -111,6 +118,9 @@ pub struct FilterStats {
     fuel_sum: AtomicU64,
     time: [AtomicU64; TIME_BOUNDS_US.len()],
     time_sum_us: AtomicU64,
+    /// CPU time of sampled calls (one in 64 on each thread).
+    cpu: [AtomicU64; TIME_BOUNDS_US.len()],
+    cpu_sum_us: AtomicU64,
     /// Times the filter was quarantined on this route.
     pub quarantines: AtomicU64,
     /// Calls that outran their slice on the worker and ran again on the idle pool.
@@ -156,6 +166,16 @@ impl FilterStats {
         self.time_sum_us.fetch_add(us, Ordering::Relaxed);
     }
 
+    /// Records the CPU time of one sampled call.
+    pub(crate) fn record_cpu(&self, cpu: Duration) {
+        let us = u64::try_from(cpu.as_micros()).unwrap_or(u64::MAX);
+        let i = TIME_BOUNDS_US.partition_point(|&b| b < us);
+        if let Some(b) = self.cpu.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.cpu_sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
     /// Calls that ended with `outcome`.
     pub fn count(&self, outcome: Outcome) -> u64 {
         self.outcomes.get(outcome.index()).map_or(0, |c| c.load(Ordering::Relaxed))
@@ -199,15 +219,8 @@ impl FilterStats {
         }
         let _ = writeln!(out, "postern_filter_fuel_sum{{{labels}}} {}", self.fuel_sum.load(Ordering::Relaxed));
         let _ = writeln!(out, "postern_filter_fuel_count{{{labels}}} {cum}");
-        let mut cum = 0;
-        for (b, c) in TIME_BOUNDS_US.iter().zip(&self.time) {
-            cum += c.load(Ordering::Relaxed);
-            let le = if *b == u64::MAX { "+Inf".to_owned() } else { (*b as f64 / 1e6).to_string() };
-            let _ = writeln!(out, "postern_filter_duration_seconds_bucket{{{labels},le=\"{le}\"}} {cum}");
-        }
-        let secs = self.time_sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "postern_filter_duration_seconds_sum{{{labels}}} {secs}");
-        let _ = writeln!(out, "postern_filter_duration_seconds_count{{{labels}}} {cum}");
+        seconds(out, "postern_filter_duration_seconds", labels, &self.time, &self.time_sum_us);
+        seconds(out, "postern_filter_cpu_seconds", labels, &self.cpu, &self.cpu_sum_us);
         let _ =
             writeln!(out, "postern_filter_quarantines_total{{{labels}}} {}", self.quarantines.load(Ordering::Relaxed));
         let _ = writeln!(out, "postern_filter_reruns_total{{{labels}}} {}", self.reruns.load(Ordering::Relaxed));
@@ -217,4 +230,17 @@ impl FilterStats {
             let _ = writeln!(out, "postern_filter_counter_total{{{labels},name=\"{name}\"}} {v}");
         }
     }
+}
+
+/// A histogram of microsecond buckets as Prometheus seconds.
+fn seconds(out: &mut String, name: &str, labels: &str, buckets: &[AtomicU64], sum_us: &AtomicU64) {
+    let mut cum = 0;
+    for (b, c) in TIME_BOUNDS_US.iter().zip(buckets) {
+        cum += c.load(Ordering::Relaxed);
+        let le = if *b == u64::MAX { "+Inf".to_owned() } else { (*b as f64 / 1e6).to_string() };
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cum}");
+    }
+    let secs = sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {secs}");
+    let _ = writeln!(out, "{name}_count{{{labels}}} {cum}");
 }

@@ -4,6 +4,7 @@
 //! CPU priority fed from a bounded queue, with the arguments copied for them. A fresh
 //! store and instance per call on either lane.
 
+use std::cell::Cell;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ use super::wit::{
     owned_fields, owned_request, typed, types,
 };
 use super::{Binding, Call, Exports, Runtime};
-use crate::clock::coarse_ms;
+use crate::clock::{coarse_ms, thread_cpu};
 use crate::stats::Outcome;
 use postern_model::wasm::Limits;
 
@@ -35,9 +36,26 @@ pub(super) const SLICE_MEMORY: usize = 2 << 20;
 /// Calls waiting for the idle pool at most; beyond, a call is `overloaded`.
 const POOL_QUEUE: usize = 256;
 
-/// How long past its deadline a request waits for its call on the idle pool (which is
-/// interrupted at the first epoch tick past the deadline) before answering
-/// `deadline_exceeded` without it.
+/// One call in this many on a thread has its CPU time read at its start and end, for the
+/// filter's CPU histogram (each read is a system call).
+const CPU_SAMPLE_EVERY: u32 = 64;
+
+thread_local! {
+    static CALLS: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether this thread's next call is sampled for the CPU histogram.
+fn sample_cpu() -> bool {
+    CALLS.with(|c| {
+        let n = c.get().wrapping_add(1);
+        c.set(n);
+        n % CPU_SAMPLE_EVERY == 0
+    })
+}
+
+/// How long past the wall-clock backstop a request waits for its call on the idle pool
+/// (which is interrupted at the first epoch tick past it) before answering `overloaded`
+/// without it.
 const POOL_GRACE: Duration = Duration::from_millis(20);
 
 impl Runtime {
@@ -77,11 +95,11 @@ impl Runtime {
         None
     }
 
-    /// One call of the export at `export` in a fresh instance on the idle pool, under the
-    /// deadline of a call that started at `start`; an answer that does not `fit` the
-    /// limits is `bad_output` there. The answer comes by the deadline (and a little
-    /// grace) even if the pool is busy: then it is `deadline_exceeded`, and the queued
-    /// call is dropped unrun.
+    /// One call of the export at `export` in a fresh instance on the idle pool, for a
+    /// request that started at `start`; an answer that does not `fit` the limits is
+    /// `bad_output` there. The answer comes by the wall-clock backstop (and a little
+    /// grace) even if the pool is busy: then it is `overloaded` (the node's doing, not
+    /// the filter's), and the queued call is dropped unrun.
     fn run_on_pool<P, R>(
         &self,
         b: &Binding,
@@ -96,13 +114,13 @@ impl Runtime {
     {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let (engine, epoch, metering, b) = (self.engine.clone(), self.epoch.clone(), self.metering, b.clone());
-        let deadline = start + b.limits.deadline();
+        let backstop = start.checked_add(b.limits.wall_backstop());
         let job: Job = Box::new(move || {
             if tx.is_closed() {
                 return; // the request is gone
             }
-            if Instant::now() >= deadline {
-                let _ = tx.send(Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() });
+            if backstop.is_some_and(|t| Instant::now() >= t) {
+                let _ = tx.send(Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() });
                 return;
             }
             let (store, result) = call_in_fresh_instance(
@@ -121,9 +139,13 @@ impl Runtime {
             if !queued {
                 return Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() };
             }
-            match tokio::time::timeout_at((deadline + POOL_GRACE).into(), rx).await {
-                Ok(Ok(call)) => call,
-                _ => Call { result: Err(Outcome::Deadline), fuel: 0, took: start.elapsed() },
+            let answer = match backstop.and_then(|t| t.checked_add(POOL_GRACE)) {
+                Some(t) => tokio::time::timeout_at(t.into(), rx).await.ok(),
+                None => Some(rx.await),
+            };
+            match answer {
+                Some(Ok(call)) => call,
+                _ => Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() },
             }
         }
     }
@@ -251,8 +273,11 @@ pub(super) enum Lane {
     /// On a worker: at most a slice of fuel and memory growth ([`SLICE_FUEL`],
     /// [`SLICE_MEMORY`]), then it is stopped to run again on the idle pool.
     Worker,
-    /// On the idle pool (or at snapshot build, for `init`): the filter's own limits.
+    /// On the idle pool: the filter's own limits, and the wall-clock backstop.
     Pool,
+    /// At snapshot build, for `init`: the limits it is given, and no wall clock (it
+    /// delays no request).
+    Init,
 }
 
 /// What a store is made in: the engine, its epoch thread, and whether calls are metered.
@@ -269,9 +294,18 @@ impl Runtime {
     }
 }
 
-/// A fresh store for one call that started at `start`, on `lane`. Past the deadline the
-/// call is interrupted, at the first epoch tick (1 ms) after it; the store keeps the
-/// epoch thread ticking while it lives.
+/// A fresh store for one call of a request that started at `start`, on `lane`.
+///
+/// The deadline is CPU time of the thread running the call, checked at each epoch tick
+/// (1 ms): the call is interrupted at the first tick after it used its deadline, so a
+/// thread that was merely descheduled loses nothing. Reading the thread's CPU clock is a
+/// system call: on the idle pool and for `init` it is read when the store is made; on a
+/// worker only from the call's first tick on (most calls end before one and make no
+/// system call; the less than a tick before it goes uncounted, and the slice's fuel and
+/// memory bound a worker's call anyway). On the idle pool a wall-clock backstop
+/// ([`Limits::wall_backstop`], from `start`) bounds the call too: past it the call is
+/// `overloaded`. On a worker no wall clock applies, as no host call blocks. The store
+/// keeps the epoch thread ticking while it lives.
 pub(super) fn new_store(
     Sandbox { engine, epoch, metering }: Sandbox<'_>,
     lane: Lane,
@@ -279,6 +313,7 @@ pub(super) fn new_store(
     start: Instant,
 ) -> Store<State> {
     let (limits, stats, tag) = (&b.limits, b.stats.clone(), b.tag.clone());
+    let cpu_sampled = metering && sample_cpu();
     let state = State {
         table: ResourceTable::new(),
         output: Vec::new(),
@@ -296,6 +331,9 @@ pub(super) fn new_store(
         tag,
         panicked: false,
         fuel: 0,
+        cpu_base: (cpu_sampled || (metering && lane != Lane::Worker)).then(thread_cpu),
+        cpu_sampled,
+        over_wall: false,
         logs: Vec::new(),
         counters: Vec::new(),
         _awake: metering.then(|| epoch.awake()),
@@ -308,9 +346,19 @@ pub(super) fn new_store(
     let fuel = if lane == Lane::Worker { limits.fuel.min(SLICE_FUEL) } else { limits.fuel };
     let _ = store.set_fuel(fuel);
     store.data_mut().fuel = fuel;
-    let deadline = start + limits.deadline();
-    store.epoch_deadline_callback(move |_| {
-        Ok(if Instant::now() >= deadline { UpdateDeadline::Interrupt } else { UpdateDeadline::Continue(1) })
+    let cpu_limit = limits.deadline();
+    let backstop = if lane == Lane::Pool { start.checked_add(limits.wall_backstop()) } else { None };
+    store.epoch_deadline_callback(move |mut cx| {
+        let cpu = thread_cpu();
+        let state = cx.data_mut();
+        if cpu.saturating_sub(*state.cpu_base.get_or_insert(cpu)) >= cpu_limit {
+            return Ok(UpdateDeadline::Interrupt);
+        }
+        if backstop.is_some_and(|t| Instant::now() >= t) {
+            state.over_wall = true;
+            return Ok(UpdateDeadline::Interrupt);
+        }
+        Ok(UpdateDeadline::Continue(1))
     });
     store.set_epoch_deadline(1);
     store
@@ -349,6 +397,12 @@ pub(super) fn finish<T>(
     start: Instant,
 ) -> Call<T> {
     let fuel = if metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
+    let state = store.data();
+    if state.cpu_sampled
+        && let Some(base) = state.cpu_base
+    {
+        state.stats.record_cpu(thread_cpu().saturating_sub(base));
+    }
     store.data_mut().commit();
     drop(store);
     Call { result, fuel, took: start.elapsed() }

@@ -81,7 +81,7 @@ impl Runtime {
     /// A store for `init`: the binding's limits, but all of its fuel at once (not a
     /// slice), since it does not run on a worker.
     fn init_store(&self, b: &Binding) -> Store<State> {
-        new_store(self.sandbox(), Lane::Pool, b, Instant::now())
+        new_store(self.sandbox(), Lane::Init, b, Instant::now())
     }
 
     /// Instantiates `pre` in `store` and calls its `init` (at `init`) with the binding's

@@ -3,6 +3,7 @@
 //! and how a failed call is classified from the trap and these records.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use wasmtime::Trap;
 use wasmtime::component::ResourceTable;
@@ -36,6 +37,14 @@ pub struct State {
     pub(super) panicked: bool,
     /// Fuel the store was given.
     pub(super) fuel: u64,
+    /// The thread's CPU clock ([`crate::clock::thread_cpu`]) when the call started:
+    /// read at the start of a sampled call, else estimated at its first epoch tick.
+    pub(super) cpu_base: Option<Duration>,
+    /// This call's CPU time goes into the filter's CPU histogram.
+    pub(super) cpu_sampled: bool,
+    /// Interrupted by the wall-clock backstop, not by its own CPU time: the node was
+    /// too busy to run it, which is `overloaded`, not the filter's failure.
+    pub(super) over_wall: bool,
     /// Log lines and counter additions, applied once the call is final, so that a call
     /// run again after its slice is not counted twice.
     pub(super) logs: Vec<(Level, String)>,
@@ -132,6 +141,7 @@ pub(super) fn classify(e: &wasmtime::Error, state: &State, fallback: Outcome) ->
     }
     match e.downcast_ref::<Trap>() {
         Some(Trap::OutOfFuel) => Outcome::Fuel,
+        Some(Trap::Interrupt) if state.over_wall => Outcome::Overloaded,
         Some(Trap::Interrupt) => Outcome::Deadline,
         Some(Trap::StackOverflow) | Some(Trap::MemoryOutOfBounds) => Outcome::Stack,
         Some(Trap::UnreachableCodeReached) => {

@@ -1,7 +1,9 @@
 //! `slow-counter`: adds 1 to its `calls` counter, then computes for `spin_us`
-//! microseconds of the gateway's clock (config `{"spin_us": N}`) and forwards with
-//! `x-slow: done`. A filter that outruns its first time slice on the worker but
-//! finishes: the gateway must run it again on a fiber and count it once.
+//! microseconds of the gateway's clock (config `{"spin_us": N}`), or a fixed amount of
+//! work, `rounds` blocks of 10,000 multiplications (config `{"rounds": N}`), and
+//! forwards with `x-slow: done`. A filter that outruns its first time slice on the
+//! worker but finishes: the gateway must run it again on the idle pool and count it
+//! once. With `rounds`, the same CPU time however busy the machine is.
 #![no_std]
 
 use postern_filter_sdk::prelude::*;
@@ -14,6 +16,19 @@ pub struct SlowCounter;
 struct Config {
     #[serde(default)]
     spin_us: u64,
+    #[serde(default)]
+    rounds: u64,
+}
+
+/// Computes `blocks` blocks of 10,000 rounds, whatever the clock says.
+pub fn work(blocks: u64) -> u64 {
+    let mut x: u64 = 1;
+    for _ in 0..blocks {
+        for _ in 0..10_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        }
+    }
+    x | 1
 }
 
 /// Computes until `micros` have passed, reading the clock every 10,000 rounds.
@@ -34,7 +49,7 @@ impl Filter for SlowCounter {
     fn on_request(_req: &Request, _cx: &Context) -> Decision {
         counter_add("calls", 1);
         let cfg: Config = config_json().unwrap_or_default();
-        let x = spin(cfg.spin_us);
+        let x = if cfg.rounds > 0 { work(cfg.rounds) } else { spin(cfg.spin_us) };
         Decision::forward().set_header("x-slow", if x == 0 { "zero" } else { "done" })
     }
 }
