@@ -40,6 +40,7 @@ pub mod plan;
 pub mod rollout;
 pub mod serve;
 pub mod store;
+pub mod usage;
 
 use std::path::Path;
 

@@ -112,6 +112,34 @@ enum Command {
         /// second revocation path nodes poll (`postern --credentials-dir`).
         #[arg(long, value_name = "DIR")]
         publish_dir: Option<PathBuf>,
+        /// The usage store (SQLite) nodes' windows are applied to; default
+        /// `<store>/usage.db` for a directory store, none for PostgreSQL (the intake then
+        /// answers 503 and nodes keep their windows spooled).
+        #[arg(long, value_name = "FILE")]
+        usage_db: Option<PathBuf>,
+    },
+    /// Usage per key, route and time, from the control plane's usage store.
+    Usage {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// One caller: an API key's id or an OAuth app's client_id.
+        #[arg(long)]
+        key: Option<String>,
+        /// One API product.
+        #[arg(long)]
+        product: Option<String>,
+        /// From (Unix seconds, YYYY-MM-DD or RFC 3339; default: the month's start).
+        #[arg(long)]
+        from: Option<String>,
+        /// To, exclusive (default: now).
+        #[arg(long)]
+        to: Option<String>,
+        /// Rows per route over the range, or per minute or day.
+        #[arg(long, default_value = "route", value_parser = ["route", "minute", "day"])]
+        by: String,
+        /// Print the answer's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// The control plane's signing key.
     SigningKey {
@@ -748,6 +776,7 @@ fn main() -> ExitCode {
             tls_cert,
             tls_key,
             publish_dir,
+            usage_db,
         } => {
             let rollout = posternctl::rollout::RolloutSettings {
                 dwell,
@@ -758,7 +787,10 @@ fn main() -> ExitCode {
                 ..Default::default()
             };
             let tls = tls_cert.zip(tls_key);
-            let settings = posternctl::serve::ServeSettings { repo, listen, tokens, rollout, tls, publish_dir };
+            let usage_db = usage_db
+                .or_else(|| (!posternctl::store::is_postgres(&store)).then(|| Path::new(&store).join("usage.db")));
+            let settings =
+                posternctl::serve::ServeSettings { repo, listen, tokens, rollout, tls, publish_dir, usage_db };
             report(serve(settings, &store, signing_key.as_deref()))
         }
         Command::SigningKey { command } => report(signing_key(command)),
@@ -767,7 +799,48 @@ fn main() -> ExitCode {
         }
         Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
         Command::Status { control } => report(call(&control, "GET", "/v1/status")),
+        Command::Usage { control, key, product, from, to, by, json } => {
+            report(usage(&control, key, product, from, to, &by, json))
+        }
     }
+}
+
+/// `posternctl usage`: the control plane's usage rows as a table.
+fn usage(
+    control: &ControlArgs,
+    key: Option<String>,
+    product: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+    by: &str,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut query = format!("by={by}");
+    for (name, v) in [("key", key), ("product", product), ("from", from), ("to", to)] {
+        if let Some(v) = v {
+            query.push_str(&format!("&{name}={}", posternctl::usage::query_escape(&v)));
+        }
+    }
+    let url = format!("{}{}?{query}", control.control.trim_end_matches('/'), postern_model::protocol::USAGE_PATH);
+    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(
+        "GET",
+        &url,
+        &control.token,
+        control.control_ca.as_deref(),
+        None,
+    ))?;
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    anyhow::ensure!(
+        status.is_success(),
+        "control plane answered {status}: {}",
+        v["error"].as_str().unwrap_or(&String::from_utf8_lossy(&body))
+    );
+    if json {
+        outln!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        out!("{}", posternctl::usage::table(&v));
+    }
+    Ok(())
 }
 
 fn plan(repo: &Path, against: &Path) -> ExitCode {

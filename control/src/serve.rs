@@ -40,6 +40,7 @@ use postern_model::report::{Report, RouteCounts, Watch};
 use crate::keyservice::Op;
 use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
 use crate::store::{Change, Lane, Store, Version};
+use crate::usage::{ApplyError, By, Query, UsageStore};
 
 /// A node counts as live while it polled within this long.
 const LIVE_FOR: Duration = Duration::from_secs(60);
@@ -85,6 +86,8 @@ pub struct ServeSettings {
     /// the directory (a shared volume or mounted bucket) nodes poll when their streams
     /// are down.
     pub publish_dir: Option<PathBuf>,
+    /// The usage store nodes' windows are applied to (none: the intake answers 503).
+    pub usage_db: Option<PathBuf>,
 }
 
 /// One admin token.
@@ -138,6 +141,24 @@ struct Server {
     deltas: Mutex<std::collections::VecDeque<(u64, u64, Bytes)>>,
     /// See [`ServeSettings::publish_dir`].
     publish_dir: Option<PathBuf>,
+    /// See [`ServeSettings::usage_db`].
+    usage: Option<Arc<UsageStore>>,
+}
+
+/// A usage batch's body at most (64 windows of a busy node).
+const USAGE_BODY_LIMIT: usize = 16 << 20;
+
+/// A usage query's parameters, decoded.
+fn usage_params(query: &str) -> Result<Vec<(String, String)>, String> {
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            let v = crate::usage::query_unescape(v).ok_or_else(|| format!("{k}: not percent-encoded UTF-8"))?;
+            Ok((k.to_owned(), v))
+        })
+        .collect()
 }
 
 /// Deltas kept for nodes a few changes behind.
@@ -186,8 +207,18 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         store.head(Lane::Credentials).await?.map_or(0, |v| v.number),
         0,
     );
+    let usage = match &settings.usage_db {
+        Some(path) => {
+            let path = path.clone();
+            let store = tokio::task::spawn_blocking(move || UsageStore::open(&path)).await??;
+            eprintln!("posternctl serve: usage store {}", store.path().display());
+            Some(Arc::new(store))
+        }
+        None => None,
+    };
     let server = Arc::new(Server {
         store,
+        usage,
         repo: settings.repo,
         tokens,
         heads: watch::Sender::new(heads),
@@ -394,6 +425,12 @@ impl Server {
             (Method::POST, ["v1", "deny"]) if role == "platform" => {
                 self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
             }
+            (Method::POST, ["v1", "usage"]) if is_node => self.usage_intake(role, req).await,
+            (Method::GET, ["v1", "usage"]) if !is_node => self.usage_query(role.strip_prefix("team:"), &query).await,
+            (Method::GET, ["v1", "usage", "totals"]) if role == "platform" => self.usage_totals(&query).await,
+            (Method::GET, ["v1", "usage", "nodes"]) if role == "platform" => {
+                self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
+            }
             (Method::GET, ["v1", "status"]) if !is_node => self.status(role.strip_prefix("team:")).await,
             (Method::GET, ["v1", "audit"]) if !is_node => match self.store.audit().await {
                 Ok(mut a) => {
@@ -420,6 +457,113 @@ impl Server {
             (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
             _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
         }
+    }
+
+    /// `POST /v1/usage`: a node's closed windows, applied exactly once. Every window must
+    /// be well formed and the token's own node's; otherwise nothing is applied.
+    async fn usage_intake(&self, role: &str, req: Request<Incoming>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let body = match Limited::new(req.into_body(), USAGE_BODY_LIMIT).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {USAGE_BODY_LIMIT} bytes)")),
+        };
+        let batch: protocol::UsageBatch = match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        };
+        for w in &batch.windows {
+            if let Err(e) = w.check() {
+                return error(StatusCode::BAD_REQUEST, e.to_string());
+            }
+            if !speaks_for(role, &w.node) {
+                return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));
+            }
+        }
+        let now = postern_model::disk::unix_now();
+        let applied = tokio::task::spawn_blocking(move || store.apply(&batch.windows, now)).await;
+        match applied {
+            Ok(Ok(ack)) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
+            Ok(Err(e @ ApplyError::Conflict { .. })) => {
+                eprintln!("posternctl serve: {e}");
+                error(StatusCode::CONFLICT, e.to_string())
+            }
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    /// Runs `f` on the usage store off the async workers.
+    async fn usage_read(
+        &self,
+        f: impl FnOnce(&UsageStore) -> rusqlite::Result<serde_json::Value> + Send + 'static,
+    ) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        match tokio::task::spawn_blocking(move || f(&store)).await {
+            Ok(Ok(v)) => json(StatusCode::OK, &v),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    /// `GET /v1/usage?key=&product=&from=&to=&by=route|minute|day`; a team reads only
+    /// its own routes' rows.
+    async fn usage_query(&self, team: Option<&str>, query: &str) -> Response<Body> {
+        let params = match usage_params(query) {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let get = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let Some(by) = By::parse(get("by").as_deref().unwrap_or("route")) else {
+            return error(StatusCode::BAD_REQUEST, "by is route, minute or day");
+        };
+        let now = postern_model::disk::unix_now();
+        let time = |name: &str, default: u64| match get(name) {
+            None => Ok(default),
+            Some(v) => crate::usage::parse_time(&v)
+                .ok_or_else(|| format!("{name}: {v:?} is not Unix seconds, YYYY-MM-DD or RFC 3339")),
+        };
+        let (from, to) = match (time("from", postern_model::usage::month_period(now).1), time("to", now + 60)) {
+            (Ok(f), Ok(t)) if f < t => (f, t),
+            (Ok(_), Ok(_)) => return error(StatusCode::BAD_REQUEST, "from must be before to"),
+            (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let q = Query { caller: get("key"), product: get("product"), team: team.map(str::to_owned), from, to, by };
+        let by_name = get("by").unwrap_or_else(|| "route".into());
+        self.usage_read(move |u| {
+            let rows = u.query(&q)?;
+            Ok(serde_json::json!({
+                "from": crate::usage::rfc3339(from),
+                "to": crate::usage::rfc3339(to),
+                "by": by_name,
+                "truncated": rows.len() == crate::usage::MAX_ROWS,
+                "rows": rows,
+            }))
+        })
+        .await
+    }
+
+    /// `GET /v1/usage/totals?period=YYYY-MM&key=`: billing totals (platform only).
+    async fn usage_totals(&self, query: &str) -> Response<Body> {
+        let params = match usage_params(query) {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let get = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let period =
+            get("period").unwrap_or_else(|| postern_model::usage::month_period(postern_model::disk::unix_now()).0);
+        if postern_model::usage::parse_month(&period).is_none() {
+            return error(StatusCode::BAD_REQUEST, "period is YYYY-MM");
+        }
+        let caller = get("key");
+        self.usage_read(move |u| {
+            let totals = u.totals(&period, caller.as_deref())?;
+            Ok(serde_json::json!({ "period": period, "totals": totals }))
+        })
+        .await
     }
 
     fn touch(&self, node: &str) {

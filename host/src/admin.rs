@@ -44,6 +44,7 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
                 "ratelimit": ratelimit,
                 "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
                 "credentials": {"version": creds.version, "keys": keys, "signing_keys": signing_keys, "apps": apps, "deny": deny},
+                "usage": gw.usage.as_ref().map_or(serde_json::json!({"metered": false}), |u| u.state()),
             });
             text(StatusCode::OK, "application/json", body.to_string())
         }
@@ -52,6 +53,9 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             crate::metrics::render_auth(&mut out, &gw.auth.stats);
             if let Some(s) = &gw.ratesync {
                 crate::metrics::render_ratesync(&mut out, s);
+            }
+            if let Some(u) = &gw.usage {
+                crate::metrics::render_usage(&mut out, u);
             }
             text(StatusCode::OK, "text/plain; version=0.0.4", out)
         }
@@ -66,6 +70,28 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             });
             text(StatusCode::OK, "application/json", body.to_string())
         }
-        _ => text(StatusCode::NOT_FOUND, "text/plain", "try /healthz, /readyz, /metrics or /snapshot\n"),
+        "/usage/windows" => usage_windows(&gw, req.uri().query().unwrap_or_default()).await,
+        _ => {
+            text(StatusCode::NOT_FOUND, "text/plain", "try /healthz, /readyz, /metrics, /snapshot or /usage/windows\n")
+        }
+    }
+}
+
+/// `/usage/windows?from=A&to=B`: spooled usage windows A..=B as the spool holds them,
+/// for a re-send the control plane's reconciler asks for.
+async fn usage_windows(gw: &Gateway, query: &str) -> Response<ResponseBody> {
+    let Some(usage) = gw.usage.clone() else {
+        return text(StatusCode::NOT_FOUND, "text/plain", "this node meters no usage\n");
+    };
+    let param = |name: &str| {
+        query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')).and_then(|v| v.parse::<u64>().ok())
+    };
+    let (Some(from), Some(to)) = (param("from"), param("to")) else {
+        return text(StatusCode::BAD_REQUEST, "text/plain", "usage/windows needs ?from=SEQ&to=SEQ\n");
+    };
+    match tokio::task::spawn_blocking(move || usage.windows(from, to)).await {
+        Ok(Ok(windows)) => text(StatusCode::OK, "application/json", postern_usage::batch_body(&windows)),
+        Ok(Err(e)) => text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("{e}\n")),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", format!("{e}\n")),
     }
 }

@@ -332,13 +332,66 @@ pub fn render_ratesync(out: &mut String, s: &crate::ratesync::RateSync) {
             s.deferred.load(Ordering::Relaxed),
         ),
     ];
-    for (name, kind, help, v) in rows {
+    write_rows(out, &rows);
+}
+
+/// Writes `(name, type, help, value)` rows; a row with no type continues the family above.
+fn write_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
+    for &(name, kind, help, v) in rows {
         if !kind.is_empty() {
             let base = name.split('{').next().unwrap_or(name);
             let _ = writeln!(out, "# HELP {base} {help}\n# TYPE {base} {kind}");
         }
         let _ = writeln!(out, "{name} {v}");
     }
+}
+
+/// Usage metering's counters: what was spooled, shipped, refused and is waiting.
+pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
+    let s = &u.stats;
+    let spool = u.spool_gauges();
+    let rows: [(&str, &str, &str, u64); 9] = [
+        (
+            "postern_usage_windows_spooled_total",
+            "counter",
+            "Usage windows written to the spool.",
+            s.spooled.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_windows_shipped_total",
+            "counter",
+            "Usage windows the usage stream acknowledged.",
+            s.shipped.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_windows_recovered_total",
+            "counter",
+            "Usage windows rebuilt from a checkpoint after a crash.",
+            s.recovered.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_spool_errors_total",
+            "counter",
+            "Failed spool writes (a full spool or disk): the windows wait in memory.",
+            s.spool_errors.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_ship_errors_total",
+            "counter",
+            "Failed sends to the usage stream: the windows wait in the spool.",
+            s.ship_errors.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_windows_pending",
+            "gauge",
+            "Closed usage windows waiting in memory for the spool.",
+            s.pending.load(Ordering::Relaxed),
+        ),
+        ("postern_usage_windows_unacked", "gauge", "Spooled usage windows not yet acknowledged.", spool.unacked),
+        ("postern_usage_spool_bytes", "gauge", "Bytes of the usage spool's segments.", spool.bytes),
+        ("postern_usage_spool_cap_bytes", "gauge", "The usage spool's size cap.", spool.cap),
+    ];
+    write_rows(out, &rows);
 }
 
 fn escape(s: &str) -> String {

@@ -46,6 +46,8 @@ pub struct Gateway {
     /// control plane's lane, the publish directory) never interleave: the file always
     /// holds the live version, or the one before it and the delta log.
     pub credentials_writer: std::sync::Mutex<()>,
+    /// Usage metering: every answered call of an authenticated caller is counted.
+    pub usage: Option<Arc<postern_usage::Usage>>,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -197,8 +199,31 @@ impl Exchange<'_> {
         }
         h.insert(X_REQUEST_ID, self.rid);
         let m = self.route.map_or(&gw.metrics.unrouted, |r| &*r.metrics);
-        m.count(resp.status().as_u16());
-        let total = self.start.elapsed();
+        let status = resp.status().as_u16();
+        m.count(status);
+        let now = Instant::now();
+        let total = now.saturating_duration_since(self.start);
+        if let (Some(usage), Some(route)) = (&gw.usage, self.route)
+            && let Some(product) = &route.product
+            && let Some(id) = self.cx.as_ref().and_then(Context::identity)
+        {
+            let caller = match (&id.key_id, &id.client_id) {
+                (Some(key), _) => Some((postern_model::usage::CallerKind::Key, key)),
+                (None, Some(app)) => Some((postern_model::usage::CallerKind::App, app)),
+                (None, None) => None,
+            };
+            if let Some((kind, caller)) = caller {
+                usage.meter.count(&postern_usage::Call {
+                    kind,
+                    caller,
+                    route: &route.id,
+                    product,
+                    status,
+                    at: now,
+                    latency: total,
+                });
+            }
+        }
         m.latency.observe(total);
         m.added.observe(total.saturating_sub(self.waited));
         resp

@@ -127,6 +127,17 @@ pub struct Args {
     /// header is replaced by the peer's address. Repeat, or separate with commas.
     #[arg(long, value_delimiter = ',', value_name = "CIDR")]
     pub trusted_hops: Vec<String>,
+    /// Usage spool: closed usage windows wait here, on local disk, until the control
+    /// plane has applied them (default: `usage-spool` beside the snapshot). Usage is
+    /// metered when this is given or `--control` is: the spool's windows are shipped to
+    /// the control plane's intake. The spool keeps its node's id: restarted without
+    /// `--node-id`, the node takes the spool's.
+    #[arg(long, value_name = "DIR")]
+    pub usage_spool: Option<PathBuf>,
+    /// The spool's size cap in MiB: a full spool refuses new windows (logged, counted,
+    /// shown in `/readyz`) and keeps them in memory; nothing spooled is dropped.
+    #[arg(long, default_value_t = 1024)]
+    pub usage_spool_max_mb: u64,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -636,7 +647,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         pool_threads: args.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
     })
     .context("cannot start the Wasm runtime")?;
-    let node_id = args.node_id.clone().unwrap_or_else(|| {
+    let usage_dir = (args.usage_spool.is_some() || args.control.is_some())
+        .then(|| args.usage_spool.clone().unwrap_or_else(|| snapshot_dir.join("usage-spool")));
+    // A spool keeps its node's id: its windows are numbered for that node.
+    let spool_owner = match &usage_dir {
+        Some(dir) => postern_usage::Spool::owner(dir).context("the usage spool")?,
+        None => None,
+    };
+    let node_id = args.node_id.clone().or(spool_owner).unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         format!("{}-{}-{:08x}", host.trim(), std::process::id(), fastrand::u32(..))
     });
@@ -714,6 +732,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
     let auth = builder.authenticator().clone();
     let body_idle = Duration::from_secs(args.idle_timeout_s.max(1));
+    let usage = match &usage_dir {
+        Some(dir) => {
+            let sink: Option<Box<dyn postern_usage::Sink>> = match &args.control {
+                Some(url) => Some(Box::new(
+                    postern_usage::HttpSink::new(url, &token, args.control_ca.as_deref())
+                        .context("the usage shipper")?,
+                )),
+                None => None,
+            };
+            let settings = postern_usage::Settings {
+                node: node_id.clone(),
+                dir: dir.clone(),
+                limits: postern_usage::SpoolLimits {
+                    cap: args.usage_spool_max_mb.max(1) << 20,
+                    ..postern_usage::SpoolLimits::default()
+                },
+            };
+            let usage = postern_usage::Usage::start(settings, sink).context("cannot start usage metering")?;
+            tracing::info!(node = %node_id, spool = %dir.display(), shipped_to = ?args.control, "usage metered");
+            Some(usage)
+        }
+        None => None,
+    };
     let gw = Arc::new(Gateway {
         live: ArcSwap::from_pointee(live),
         metrics,
@@ -722,6 +763,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         body_idle,
         trust,
         credentials_writer: std::sync::Mutex::new(()),
+        usage,
     });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)
@@ -784,6 +826,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     if tokio::time::timeout(Duration::from_secs(args.drain_seconds), drained).await.is_err() {
         tracing::warn!("drain timed out; closing the remaining connections");
+    }
+    if let Some(usage) = gw.usage.clone() {
+        // Every window, the open one too, into the spool; one last send.
+        let _ = tokio::task::spawn_blocking(move || usage.stop()).await;
     }
     Ok(())
 }

@@ -105,6 +105,8 @@ pub struct CompiledRoute {
     /// The first filter authenticates the caller (otherwise the route is public and
     /// credentials are dropped before any filter sees them).
     pub authenticates: bool,
+    /// The API product of an authenticated route: its callers' calls are metered.
+    pub product: Option<Arc<str>>,
     /// Path rewrite.
     pub rewrite: Option<Rewrite>,
     /// Filters in order.
@@ -397,6 +399,7 @@ impl Builder {
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
                 authenticates: r.auth.is_some(),
+                product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
                 rewrite,
                 filters,
                 response_headers,

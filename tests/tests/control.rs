@@ -7,19 +7,12 @@
 //! behaviour runs on PostgreSQL.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
+use postern_e2e::control_plane::*;
 use postern_e2e::{Echo, Node, Repo, bin, get, new_key, platform};
-use sha2::Digest as _;
-
-const PLATFORM_TOKEN: &str = "platform-secret-token";
-const NODE_TOKEN: &str = "node-secret-token";
-const TEAM_T_TOKEN: &str = "team-t-secret-token";
-const TEAM_X_TOKEN: &str = "team-x-secret-token";
 
 fn routes(tag: &str, extra_route: bool) -> String {
     let mut s = format!(
@@ -29,124 +22,6 @@ fn routes(tag: &str, extra_route: bool) -> String {
         s.push_str("  - name: extra\n    public: true\n    match: { path: { value: /extra } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n");
     }
     s
-}
-
-/// A running `posternctl serve`.
-struct ControlPlane {
-    child: Child,
-    url: String,
-    /// The CA its `https://` URL is checked against.
-    ca: Option<std::path::PathBuf>,
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-const NODE_A_TOKEN: &str = "node-a-only-token";
-
-fn write_tokens(dir: &Path) -> std::path::PathBuf {
-    let h = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
-    let path = dir.join("tokens.json");
-    let text = serde_json::json!([
-        {"name": "alice", "role": "platform", "sha256": h(PLATFORM_TOKEN)},
-        {"name": "nodes", "role": "node", "sha256": h(NODE_TOKEN)},
-        {"name": "bob", "role": "team:t", "sha256": h(TEAM_T_TOKEN)},
-        {"name": "carol", "role": "team:x", "sha256": h(TEAM_X_TOKEN)},
-        {"name": "node-a", "role": "node:node-a", "sha256": h(NODE_A_TOKEN)},
-    ]);
-    std::fs::write(&path, text.to_string()).unwrap();
-    // The control plane's signing key, beside the tokens; nodes pin its public half.
-    let signer = postern_model::sign::Signer::generate().unwrap();
-    std::fs::write(dir.join("control.key"), signer.to_text()).unwrap();
-    std::fs::write(dir.join("control.pub"), format!("{}\n", signer.public())).unwrap();
-    path
-}
-
-fn serve(repo: &Path, store: &str, tokens: &Path, extra: &[&str]) -> ControlPlane {
-    let mut child = Command::new(bin("posternctl"))
-        .arg("serve")
-        .arg(repo)
-        .args(["--store", store, "--listen", "127.0.0.1:0"])
-        .args(extra)
-        .arg("--tokens")
-        .arg(tokens)
-        .arg("--signing-key")
-        .arg(tokens.with_file_name("control.key"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("posternctl serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    assert!(!line.trim().is_empty(), "serve printed no address");
-    ControlPlane { child, url: format!("http://{}", line.trim()), ca: None }
-}
-
-/// `serve` on HTTPS with a certificate for `localhost` (written to `dir`, which also
-/// holds the CA nodes and the CLI trust).
-fn serve_tls(repo: &Path, store: &str, tokens: &Path, dir: &Path, extra: &[&str]) -> ControlPlane {
-    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
-    let (cert, key) = (dir.join("cp.crt"), dir.join("cp.key"));
-    std::fs::write(&cert, ck.cert.pem()).unwrap();
-    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
-    let mut args = vec!["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    let mut cp = serve(repo, store, tokens, &args);
-    let port = cp.url.rsplit(':').next().unwrap().to_owned();
-    cp.url = format!("https://localhost:{port}");
-    cp.ca = Some(cert);
-    cp
-}
-
-fn ctl(cp: &ControlPlane, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(bin("posternctl"))
-        .args(args)
-        .args(["--control", &cp.url, "--token", PLATFORM_TOKEN])
-        .args(cp.ca.iter().flat_map(|ca| [std::ffi::OsStr::new("--control-ca"), ca.as_os_str()]))
-        .output()
-        .expect("posternctl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "posternctl {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
-    // The JSON answer follows an optional summary line.
-    let json = text.find('{').map(|i| &text[i..]).unwrap_or("null");
-    serde_json::from_str(json).unwrap_or(serde_json::Value::Null)
-}
-
-/// A node of the control plane at `cp_url`, in `dir` (a folder of the test's work
-/// directory, whose `control.pub` it pins).
-fn start_node(cp_url: &str, dir: &Path, name: &str) -> Node {
-    start_node_with(cp_url, dir, name, &[])
-}
-
-fn start_node_with(cp_url: &str, dir: &Path, name: &str, extra: &[&str]) -> Node {
-    std::fs::create_dir_all(dir).unwrap();
-    let key = dir.parent().unwrap().join("control.pub");
-    let mut args = vec![
-        "--control",
-        cp_url,
-        "--control-token",
-        NODE_TOKEN,
-        "--node-id",
-        name,
-        "--control-report-ms",
-        "200",
-        "--control-key",
-        key.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    Node::start(&dir.join("snapshot.json"), &args)
-}
-
-async fn wait_for(what: &str, deadline: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let end = Instant::now() + deadline;
-    while !check().await {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 struct Setup {

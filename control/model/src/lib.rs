@@ -22,6 +22,7 @@ pub mod report;
 pub mod sign;
 #[cfg(feature = "tls")]
 pub mod tls;
+pub mod usage;
 pub mod wasm;
 
 /// Version of the snapshot format; a node refuses a snapshot with another one.

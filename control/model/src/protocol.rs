@@ -7,6 +7,7 @@
 //! | `POST` [`Ack::path`] | [`Ack`] | 2xx |
 //! | `POST` [`report_path`] | [`crate::report::Report`] | [`crate::report::Watch`] |
 //! | `GET` [`module_path`] | — | the module's bytes, which hash to its digest |
+//! | `POST` [`USAGE_PATH`] | [`UsageBatch`] (windows of the token's node) | [`UsageAck`] once every window is applied or known |
 
 use serde::{Deserialize, Serialize};
 
@@ -135,6 +136,26 @@ impl Ack {
 /// `/v1/nodes/<node>/report`.
 pub fn report_path(node: &str) -> String {
     format!("/v1/nodes/{node}/report")
+}
+
+/// Where nodes send their closed usage windows.
+pub const USAGE_PATH: &str = "/v1/usage";
+
+/// Usage windows of one node, in sequence order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageBatch {
+    /// The windows.
+    pub windows: Vec<crate::usage::Window>,
+}
+
+/// What the intake did with a [`UsageBatch`]: every window is now applied exactly once.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageAck {
+    /// Windows added to the totals now.
+    pub applied: u64,
+    /// Windows applied before (a re-send): nothing changed.
+    pub duplicates: u64,
 }
 
 /// `/v1/modules/<hex>`: a filter module by the hex of its SHA-256.

@@ -1,0 +1,288 @@
+//! Usage windows: what a node counted in one 10-second window, the record its spool
+//! keeps and the quota service applies exactly once, keyed by (node, seq).
+//!
+//! Windows are aligned to UTC (`start` is a multiple of [`WINDOW_S`]). Every billing
+//! period starts at a UTC midnight, a multiple of [`WINDOW_S`] too, so a window never
+//! straddles two periods: each call lands in exactly one.
+
+use serde::{Deserialize, Serialize};
+
+/// A window's length in seconds.
+pub const WINDOW_S: u64 = 10;
+
+/// Upper bounds of the latency histogram's buckets, in milliseconds; the last bucket
+/// holds everything slower than the last bound.
+pub const LATENCY_BOUNDS_MS: [u32; 23] =
+    [1, 2, 3, 5, 7, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000, 10000];
+
+/// Buckets in a histogram: one per bound and one past the last.
+pub const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_MS.len() + 1;
+
+/// Rows a window may hold at most (a node's 10 s of distinct callers × routes).
+pub const MAX_ROWS: usize = 1 << 20;
+
+/// The bucket of a latency in microseconds.
+pub fn latency_bucket(us: u64) -> usize {
+    let ms = us / 1000;
+    LATENCY_BOUNDS_MS.iter().position(|&b| ms < u64::from(b)).unwrap_or(LATENCY_BOUNDS_MS.len())
+}
+
+/// The `q`-quantile (0..=1) of a histogram in milliseconds, interpolated in its bucket
+/// (the last bucket answers its lower bound); `None` when it is empty.
+pub fn quantile_ms(hist: &[u64], q: f64) -> Option<f64> {
+    let total: u64 = hist.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let rank = (q.clamp(0.0, 1.0) * total as f64).max(1.0);
+    let mut seen = 0u64;
+    for (i, &n) in hist.iter().enumerate() {
+        if n > 0 && (seen + n) as f64 >= rank {
+            let lo = if i == 0 { 0.0 } else { f64::from(LATENCY_BOUNDS_MS[i - 1]) };
+            let Some(&hi) = LATENCY_BOUNDS_MS.get(i) else { return Some(lo) };
+            return Some(lo + (f64::from(hi) - lo) * ((rank - seen as f64) / n as f64));
+        }
+        seen += n;
+    }
+    None
+}
+
+/// Who a row counts: an API key (by id) or an OAuth app (by `client_id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallerKind {
+    /// An API key's id.
+    Key,
+    /// An OAuth app's `client_id` (every user of the app counts against it).
+    App,
+}
+
+impl CallerKind {
+    /// `key` or `app`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallerKind::Key => "key",
+            CallerKind::App => "app",
+        }
+    }
+
+    /// The kind named `s`.
+    pub fn parse(s: &str) -> Option<CallerKind> {
+        match s {
+            "key" => Some(CallerKind::Key),
+            "app" => Some(CallerKind::App),
+            _ => None,
+        }
+    }
+}
+
+/// One closed window of one node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Window {
+    /// The node that counted it.
+    pub node: String,
+    /// The node's sequence number: contiguous from 1, never reused.
+    pub seq: u64,
+    /// Start, in Unix seconds (a multiple of [`WINDOW_S`]).
+    pub start: u64,
+    /// The window was rebuilt after a crash from the node's last checkpoint of it: it
+    /// holds what was counted up to that checkpoint (at most a second before the crash).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recovered: bool,
+    /// One row per (caller, route) that answered a call in the window.
+    pub rows: Vec<Row>,
+}
+
+/// Calls of one caller on one route within a window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Row {
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// What `caller` names.
+    pub kind: CallerKind,
+    /// The route's API product.
+    pub product: String,
+    /// The route, `team/name`.
+    pub route: String,
+    /// Answers by status class: 1xx, 2xx, 3xx, 4xx, 5xx.
+    pub status: [u64; 5],
+    /// Latency histogram over [`LATENCY_BOUNDS_MS`] ([`LATENCY_BUCKETS`] counts).
+    pub latency: Vec<u64>,
+    /// Sum of latencies, in microseconds.
+    pub latency_us: u64,
+}
+
+impl Row {
+    /// All calls.
+    pub fn calls(&self) -> u64 {
+        self.status.iter().sum()
+    }
+
+    /// Billable calls: answered 2xx or 3xx.
+    pub fn billable(&self) -> u64 {
+        self.status[1] + self.status[2]
+    }
+}
+
+/// Why a window was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WindowError {
+    /// Something in it is out of shape.
+    #[error("usage window {node}/{seq}: {why}")]
+    Invalid {
+        /// The node it claims.
+        node: String,
+        /// Its sequence number.
+        seq: u64,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+impl Window {
+    /// Checks what JSON cannot: the sequence, alignment, row shapes and sums.
+    pub fn check(&self) -> Result<(), WindowError> {
+        let bad = |why: String| WindowError::Invalid { node: self.node.clone(), seq: self.seq, why };
+        if self.node.is_empty() || self.node.len() > 128 {
+            return Err(bad("node must be 1 to 128 bytes".into()));
+        }
+        if self.seq == 0 {
+            return Err(bad("seq starts at 1".into()));
+        }
+        if !self.start.is_multiple_of(WINDOW_S) {
+            return Err(bad(format!("start {} is not on a {WINDOW_S} s boundary", self.start)));
+        }
+        if self.rows.len() > MAX_ROWS {
+            return Err(bad(format!("{} rows, at most {MAX_ROWS}", self.rows.len())));
+        }
+        for (i, r) in self.rows.iter().enumerate() {
+            if r.caller.is_empty() || r.caller.len() > 256 || r.product.len() > 256 || r.route.len() > 256 {
+                return Err(bad(format!("row {i}: caller, product and route are 1 to 256 bytes")));
+            }
+            if r.latency.len() != LATENCY_BUCKETS {
+                return Err(bad(format!("row {i}: latency has {} buckets, not {LATENCY_BUCKETS}", r.latency.len())));
+            }
+            let calls = r.status.iter().try_fold(0u64, |a, &n| a.checked_add(n));
+            let timed = r.latency.iter().try_fold(0u64, |a, &n| a.checked_add(n));
+            match (calls, timed) {
+                (Some(c), Some(t)) if c == t && c > 0 => {}
+                _ => return Err(bad(format!("row {i}: the status counts and the latency histogram disagree"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The UTC date (year, month, day) of a Unix day number.
+pub fn civil(days: i64) -> (i64, u32, u32) {
+    // Howard Hinnant's days-from-civil inverse.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// The Unix day number of a UTC date.
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// The billing period holding Unix second `t`: its name (`YYYY-MM`, the UTC calendar
+/// month) and its bounds in Unix seconds, `[start, end)`.
+pub fn month_period(t: u64) -> (String, u64, u64) {
+    let days = (t / 86_400) as i64;
+    let (y, m, _) = civil(days);
+    let start = days_from_civil(y, m, 1) * 86_400;
+    let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
+    let end = days_from_civil(ny, nm, 1) * 86_400;
+    (format!("{y:04}-{m:02}"), start as u64, end as u64)
+}
+
+/// Bounds `[start, end)` of a period named `YYYY-MM`.
+pub fn parse_month(name: &str) -> Option<(u64, u64)> {
+    let (y, m) = name.split_once('-')?;
+    let (y, m): (i64, u32) = (y.parse().ok()?, m.parse().ok()?);
+    if !(1970..=9999).contains(&y) || !(1..=12).contains(&m) || name.len() != 7 {
+        return None;
+    }
+    let start = days_from_civil(y, m, 1) * 86_400;
+    let (_, _, end) = month_period(start as u64);
+    Some((start as u64, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: [u64; 5]) -> Row {
+        let mut latency = vec![0; LATENCY_BUCKETS];
+        latency[3] = status.iter().sum();
+        Row {
+            caller: "k-1".into(),
+            kind: CallerKind::Key,
+            product: "search".into(),
+            route: "t/r".into(),
+            status,
+            latency,
+            latency_us: 0,
+        }
+    }
+
+    #[test]
+    fn months_are_utc_calendar_months() {
+        // 2026-12-01T00:00:00Z = 1796083200.
+        assert_eq!(month_period(1_796_083_200), ("2026-12".into(), 1_796_083_200, 1_798_761_600));
+        assert_eq!(month_period(1_796_083_199).0, "2026-11");
+        assert_eq!(parse_month("2026-12"), Some((1_796_083_200, 1_798_761_600)));
+        assert_eq!(parse_month("2024-02").map(|(s, e)| (e - s) / 86_400), Some(29));
+        assert_eq!(parse_month("2026-13"), None);
+        assert_eq!(parse_month("26-1"), None);
+        for d in [-1000i64, 0, 19_000, 20_454, 2_932_896] {
+            let (y, m, dd) = civil(d);
+            assert_eq!(days_from_civil(y, m, dd), d);
+        }
+    }
+
+    #[test]
+    fn a_window_is_checked_beyond_its_json() {
+        let w = Window { node: "n".into(), seq: 1, start: 20, recovered: false, rows: vec![row([0, 3, 0, 1, 0])] };
+        assert_eq!(w.check(), Ok(()));
+        assert_eq!(w.rows[0].billable(), 3);
+        let mut bad = w.clone();
+        bad.start = 21;
+        assert!(bad.check().is_err());
+        let mut bad = w.clone();
+        bad.seq = 0;
+        assert!(bad.check().is_err());
+        let mut bad = w.clone();
+        bad.rows[0].status[1] += 1;
+        assert!(bad.check().unwrap_err().to_string().contains("disagree"));
+        let mut bad = w;
+        bad.rows[0].latency.pop();
+        assert!(bad.check().is_err());
+    }
+
+    #[test]
+    fn quantiles_interpolate_within_a_bucket() {
+        let mut h = vec![0u64; LATENCY_BUCKETS];
+        assert_eq!(quantile_ms(&h, 0.5), None);
+        h[latency_bucket(4_000)] = 100; // 3..5 ms
+        let p50 = quantile_ms(&h, 0.5).unwrap_or_default();
+        assert!((3.0..=5.0).contains(&p50), "{p50}");
+        assert_eq!(latency_bucket(999), 0);
+        assert_eq!(latency_bucket(60_000_000), LATENCY_BOUNDS_MS.len());
+    }
+}

@@ -1,0 +1,639 @@
+//! The usage store: nodes' closed windows applied exactly once, and what billing and the
+//! usage API read from them.
+//!
+//! One SQLite database (`usage.db` beside a directory store) in WAL mode with
+//! `synchronous=FULL`: a commit is on disk before the intake acknowledges. A batch of
+//! windows is one transaction that records each window's (node, seq) in `applied` — a
+//! window already there is a duplicate and adds nothing — and adds its rows to `totals`
+//! (per caller, product and billing period) and `minutes` (per caller, route, product
+//! and minute, with the latency histogram). A failed write rolls the whole batch back
+//! and the node sends it again: a window is never "seen but not added".
+//!
+//! SQLite is the embedded store because it gives exactly that transaction on one file
+//! with no server to run; the directory store gives atomic renames of whole files, not
+//! a counter and its dedupe key in one commit.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use postern_model::protocol::UsageAck;
+use postern_model::usage::{LATENCY_BUCKETS, Window, month_period, quantile_ms};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::Serialize;
+
+/// The usage database of a control plane.
+#[derive(Debug)]
+pub struct UsageStore {
+    conn: Mutex<Connection>,
+    path: PathBuf,
+}
+
+/// Why a batch was not applied (nothing of it was).
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// A window's (node, seq) was applied before with other contents.
+    #[error(
+        "usage window {node}/{seq} was applied before with other contents: the node numbers its windows again \
+         (its spool was lost?); give it a new node id"
+    )]
+    Conflict {
+        /// The node.
+        node: String,
+        /// The sequence number.
+        seq: u64,
+    },
+    /// The database failed.
+    #[error("usage store: {0}")]
+    Sql(#[from] rusqlite::Error),
+}
+
+/// How [`UsageStore::query`] groups rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum By {
+    /// One row per caller and route over the whole range.
+    Route,
+    /// Per minute.
+    Minute,
+    /// Per UTC day.
+    Day,
+}
+
+impl By {
+    /// `route`, `minute` or `day`.
+    pub fn parse(s: &str) -> Option<By> {
+        match s {
+            "route" => Some(By::Route),
+            "minute" => Some(By::Minute),
+            "day" => Some(By::Day),
+            _ => None,
+        }
+    }
+}
+
+/// What to read.
+#[derive(Debug, Clone)]
+pub struct Query {
+    /// One caller (key id or `client_id`), or every one.
+    pub caller: Option<String>,
+    /// One product, or every one.
+    pub product: Option<String>,
+    /// Only routes of this team (`team/…`).
+    pub team: Option<String>,
+    /// Unix seconds, inclusive.
+    pub from: u64,
+    /// Unix seconds, exclusive.
+    pub to: u64,
+    /// Grouping.
+    pub by: By,
+}
+
+/// Rows a query answers at most.
+pub const MAX_ROWS: usize = 10_000;
+
+/// One row of a usage answer.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct UsageRow {
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// `key` or `app`.
+    pub kind: String,
+    /// `team/name`.
+    pub route: String,
+    /// The route's product.
+    pub product: String,
+    /// The minute's or day's start (RFC 3339); absent when grouped by route.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    /// Every answered call.
+    pub calls: u64,
+    /// Calls answered 2xx or 3xx.
+    pub billable: u64,
+    /// Calls by status class.
+    pub status: StatusClasses,
+    /// Latency in milliseconds.
+    pub latency_ms: LatencySummary,
+}
+
+/// Calls by status class.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct StatusClasses {
+    #[serde(rename = "1xx")]
+    s1: u64,
+    #[serde(rename = "2xx")]
+    s2: u64,
+    #[serde(rename = "3xx")]
+    s3: u64,
+    #[serde(rename = "4xx")]
+    s4: u64,
+    #[serde(rename = "5xx")]
+    s5: u64,
+}
+
+impl StatusClasses {
+    fn from(s: [u64; 5]) -> StatusClasses {
+        StatusClasses { s1: s[0], s2: s[1], s3: s[2], s4: s[3], s5: s[4] }
+    }
+}
+
+/// Mean and quantiles (from the histogram, interpolated within a bucket).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct LatencySummary {
+    /// Mean.
+    pub mean: f64,
+    /// Median.
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+/// A caller's total for one product and billing period.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Total {
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// `key` or `app`.
+    pub kind: String,
+    /// The product.
+    pub product: String,
+    /// `YYYY-MM`.
+    pub period: String,
+    /// Calls answered 2xx or 3xx.
+    pub billable: u64,
+    /// Every answered call.
+    pub calls: u64,
+    /// Calls by status class.
+    pub status: StatusClasses,
+}
+
+/// What the store holds of one node's windows.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct NodeWindows {
+    /// The node.
+    pub node: String,
+    /// Windows applied.
+    pub windows: u64,
+    /// The highest sequence number applied.
+    pub last_seq: u64,
+    /// Sequence numbers below `last_seq` never received.
+    pub missing: u64,
+    /// Windows rebuilt by the node from a checkpoint after a crash.
+    pub recovered: u64,
+}
+
+fn hist_cols(prefix: &str) -> String {
+    (0..LATENCY_BUCKETS).map(|i| format!("{prefix}h{i}")).collect::<Vec<_>>().join(", ")
+}
+
+impl UsageStore {
+    /// Opens (creating) the database at `path`.
+    pub fn open(path: &Path) -> anyhow::Result<UsageStore> {
+        let conn = Connection::open(path).map_err(|e| anyhow::anyhow!("usage store {}: {e}", path.display()))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        let hist_decl = (0..LATENCY_BUCKETS).map(|i| format!("h{i} INTEGER NOT NULL")).collect::<Vec<_>>().join(", ");
+        conn.execute_batch(&format!(
+            "CREATE TABLE IF NOT EXISTS applied (
+                node TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
+                recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
+                raw BLOB NOT NULL, PRIMARY KEY (node, seq)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS totals (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, period TEXT NOT NULL,
+                billable INTEGER NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
+                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL,
+                PRIMARY KEY (caller, kind, product, period)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS minutes (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, route TEXT NOT NULL, product TEXT NOT NULL,
+                minute INTEGER NOT NULL,
+                s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL, s4 INTEGER NOT NULL,
+                s5 INTEGER NOT NULL, latency_us INTEGER NOT NULL, {hist_decl},
+                PRIMARY KEY (caller, kind, route, product, minute)) WITHOUT ROWID;
+             CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);"
+        ))?;
+        Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
+    }
+
+    /// Where the database is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies checked windows in one transaction: each is added once, a window already
+    /// applied is counted as a duplicate and changes nothing. `now` is Unix seconds.
+    pub fn apply(&self, windows: &[Window], now: u64) -> Result<UsageAck, ApplyError> {
+        let mut conn = self.lock();
+        let tx = conn.transaction()?;
+        let mut ack = UsageAck::default();
+        {
+            let mut mark = tx.prepare_cached(
+                "INSERT INTO applied (node, seq, start, recovered, calls, received, raw)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+            )?;
+            let mut total = tx.prepare_cached(
+                "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                 ON CONFLICT DO UPDATE SET billable = billable + excluded.billable,
+                   s1 = s1 + excluded.s1, s2 = s2 + excluded.s2, s3 = s3 + excluded.s3,
+                   s4 = s4 + excluded.s4, s5 = s5 + excluded.s5",
+            )?;
+            let cols = hist_cols("");
+            let marks = (12..12 + LATENCY_BUCKETS).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ");
+            let adds =
+                (0..LATENCY_BUCKETS).map(|i| format!("h{i} = h{i} + excluded.h{i}")).collect::<Vec<_>>().join(", ");
+            let mut minute = tx.prepare_cached(&format!(
+                "INSERT INTO minutes (caller, kind, route, product, minute, s1, s2, s3, s4, s5, latency_us, {cols})
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, {marks})
+                 ON CONFLICT DO UPDATE SET s1 = s1 + excluded.s1, s2 = s2 + excluded.s2,
+                   s3 = s3 + excluded.s3, s4 = s4 + excluded.s4, s5 = s5 + excluded.s5,
+                   latency_us = latency_us + excluded.latency_us, {adds}"
+            ))?;
+            for w in windows {
+                let raw = serde_json::to_vec(w).unwrap_or_default();
+                let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
+                let fresh = mark.execute(params![
+                    w.node,
+                    sql_int(w.seq),
+                    sql_int(w.start),
+                    w.recovered,
+                    sql_int(calls),
+                    sql_int(now),
+                    raw
+                ])? == 1;
+                if !fresh {
+                    // The same (node, seq) with other contents is not a re-send: the node
+                    // lost its spool and numbers again from 1. Nothing of the batch is
+                    // applied; the operator gives the node a new id.
+                    let known: Vec<u8> = tx.query_row(
+                        "SELECT raw FROM applied WHERE node = ?1 AND seq = ?2",
+                        params![w.node, sql_int(w.seq)],
+                        |r| r.get(0),
+                    )?;
+                    if known != raw {
+                        return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
+                    }
+                    ack.duplicates += 1;
+                    continue;
+                }
+                ack.applied += 1;
+                let (period, _, _) = month_period(w.start);
+                let minute_start = sql_int(w.start - w.start % 60);
+                for r in &w.rows {
+                    let s = r.status.map(sql_int);
+                    total.execute(params![
+                        r.caller,
+                        r.kind.as_str(),
+                        r.product,
+                        period,
+                        sql_int(r.billable()),
+                        s[0],
+                        s[1],
+                        s[2],
+                        s[3],
+                        s[4]
+                    ])?;
+                    let mut values: Vec<Box<dyn rusqlite::ToSql>> = vec![
+                        Box::new(r.caller.clone()),
+                        Box::new(r.kind.as_str()),
+                        Box::new(r.route.clone()),
+                        Box::new(r.product.clone()),
+                        Box::new(minute_start),
+                    ];
+                    values.extend(s.iter().map(|&n| Box::new(n) as Box<dyn rusqlite::ToSql>));
+                    values.push(Box::new(sql_int(r.latency_us)));
+                    values.extend(r.latency.iter().map(|&n| Box::new(sql_int(n)) as Box<dyn rusqlite::ToSql>));
+                    minute.execute(rusqlite::params_from_iter(values.iter()))?;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(ack)
+    }
+
+    /// Usage rows for `q`, at most [`MAX_ROWS`].
+    pub fn query(&self, q: &Query) -> rusqlite::Result<Vec<UsageRow>> {
+        let bucket = match q.by {
+            By::Route => "NULL",
+            By::Minute => "minute",
+            By::Day => "(minute / 86400) * 86400",
+        };
+        let sums = (0..LATENCY_BUCKETS).map(|i| format!("SUM(h{i})")).collect::<Vec<_>>().join(", ");
+        let sql = format!(
+            "SELECT caller, kind, route, product, {bucket} AS at,
+                    SUM(s1), SUM(s2), SUM(s3), SUM(s4), SUM(s5), SUM(latency_us), {sums}
+             FROM minutes
+             WHERE minute >= ?1 AND minute < ?2
+               AND (?3 IS NULL OR caller = ?3)
+               AND (?4 IS NULL OR product = ?4)
+               AND (?5 IS NULL OR substr(route, 1, length(?5)) = ?5)
+             GROUP BY caller, kind, route, product, at
+             ORDER BY caller, kind, route, product, at
+             LIMIT {MAX_ROWS}"
+        );
+        let team = q.team.as_ref().map(|t| format!("{t}/"));
+        let conn = self.lock();
+        let mut stmt = conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map(params![sql_int(q.from), sql_int(q.to), q.caller, q.product, team], |r| {
+            let mut s = [0u64; 5];
+            for (i, v) in s.iter_mut().enumerate() {
+                *v = r.get::<_, i64>(5 + i)?.max(0) as u64;
+            }
+            let latency_us = r.get::<_, i64>(10)?.max(0) as u64;
+            let mut hist = [0u64; LATENCY_BUCKETS];
+            for (i, v) in hist.iter_mut().enumerate() {
+                *v = r.get::<_, i64>(11 + i)?.max(0) as u64;
+            }
+            let calls: u64 = s.iter().sum();
+            let at: Option<i64> = r.get(4)?;
+            Ok(UsageRow {
+                caller: r.get(0)?,
+                kind: r.get(1)?,
+                route: r.get(2)?,
+                product: r.get(3)?,
+                at: at.map(|t| rfc3339(t.max(0) as u64)),
+                calls,
+                billable: s[1] + s[2],
+                status: StatusClasses::from(s),
+                latency_ms: LatencySummary {
+                    mean: if calls == 0 { 0.0 } else { round2(latency_us as f64 / calls as f64 / 1000.0) },
+                    p50: round2(quantile_ms(&hist, 0.5).unwrap_or(0.0)),
+                    p99: round2(quantile_ms(&hist, 0.99).unwrap_or(0.0)),
+                },
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Totals of one billing period, for one caller or all.
+    pub fn totals(&self, period: &str, caller: Option<&str>) -> rusqlite::Result<Vec<Total>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare_cached(
+            "SELECT caller, kind, product, period, billable, s1, s2, s3, s4, s5 FROM totals
+             WHERE period = ?1 AND (?2 IS NULL OR caller = ?2) ORDER BY caller, kind, product",
+        )?;
+        let rows = stmt.query_map(params![period, caller], |r| {
+            let mut s = [0u64; 5];
+            for (i, v) in s.iter_mut().enumerate() {
+                *v = r.get::<_, i64>(5 + i)?.max(0) as u64;
+            }
+            Ok(Total {
+                caller: r.get(0)?,
+                kind: r.get(1)?,
+                product: r.get(2)?,
+                period: r.get(3)?,
+                billable: r.get::<_, i64>(4)?.max(0) as u64,
+                calls: s.iter().sum(),
+                status: StatusClasses::from(s),
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Per node: windows applied, the last sequence number and how many below it are
+    /// missing (what the reconciler chases).
+    pub fn nodes(&self) -> rusqlite::Result<Vec<NodeWindows>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare_cached(
+            "SELECT node, COUNT(*), MAX(seq), SUM(recovered) FROM applied GROUP BY node ORDER BY node",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            let windows = r.get::<_, i64>(1)?.max(0) as u64;
+            let last_seq = r.get::<_, i64>(2)?.max(0) as u64;
+            Ok(NodeWindows {
+                node: r.get(0)?,
+                windows,
+                last_seq,
+                missing: last_seq.saturating_sub(windows),
+                recovered: r.get::<_, i64>(3)?.max(0) as u64,
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// A window as applied, by (node, seq).
+    pub fn window(&self, node: &str, seq: u64) -> rusqlite::Result<Option<Vec<u8>>> {
+        let conn = self.lock();
+        conn.query_row("SELECT raw FROM applied WHERE node = ?1 AND seq = ?2", params![node, sql_int(seq)], |r| {
+            r.get(0)
+        })
+        .optional()
+    }
+}
+
+/// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
+/// clamped rather than wrapped if they ever did.
+fn sql_int(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn rfc3339(t: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t)).to_string()
+}
+
+/// A time as the usage API takes it: Unix seconds, `YYYY-MM-DD` (UTC midnight) or RFC 3339
+/// in UTC.
+pub fn parse_time(s: &str) -> Option<u64> {
+    if let Ok(n) = s.parse::<u64>() {
+        return Some(n);
+    }
+    let s = if s.len() == 10 { format!("{s}T00:00:00Z") } else { s.to_owned() };
+    let t = humantime::parse_rfc3339_weak(&s).ok()?;
+    t.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs())
+}
+
+/// Percent-encodes a query parameter's value.
+pub fn query_escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~:".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Decodes a percent-encoded query parameter's value (`+` is a space).
+pub fn query_unescape(v: &str) -> Option<String> {
+    let mut out = Vec::with_capacity(v.len());
+    let mut bytes = v.bytes();
+    while let Some(b) = bytes.next() {
+        match b {
+            b'%' => {
+                let hex = [bytes.next()?, bytes.next()?];
+                out.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A `GET /v1/usage` answer as a table, for `posternctl usage`.
+pub fn table(v: &serde_json::Value) -> String {
+    let rows = v["rows"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let timed = v["by"].as_str() != Some("route");
+    let mut head = vec!["CALLER", "ROUTE", "PRODUCT"];
+    if timed {
+        head.push("AT");
+    }
+    head.extend(["CALLS", "BILLABLE", "2XX", "3XX", "4XX", "5XX", "P50 MS", "P99 MS"]);
+    let mut lines: Vec<Vec<String>> = vec![head.iter().map(|h| (*h).to_owned()).collect()];
+    let n = |x: &serde_json::Value| x.as_u64().map_or_else(|| "-".to_owned(), |n| n.to_string());
+    let f = |x: &serde_json::Value| x.as_f64().map_or_else(|| "-".to_owned(), |n| format!("{n:.1}"));
+    for r in rows {
+        let mut line = vec![
+            format!("{} ({})", r["caller"].as_str().unwrap_or("?"), r["kind"].as_str().unwrap_or("?")),
+            r["route"].as_str().unwrap_or("?").to_owned(),
+            r["product"].as_str().unwrap_or("?").to_owned(),
+        ];
+        if timed {
+            line.push(r["at"].as_str().unwrap_or("-").to_owned());
+        }
+        line.extend([
+            n(&r["calls"]),
+            n(&r["billable"]),
+            n(&r["status"]["2xx"]),
+            n(&r["status"]["3xx"]),
+            n(&r["status"]["4xx"]),
+            n(&r["status"]["5xx"]),
+            f(&r["latency_ms"]["p50"]),
+            f(&r["latency_ms"]["p99"]),
+        ]);
+        lines.push(line);
+    }
+    let widths: Vec<usize> =
+        (0..head.len()).map(|i| lines.iter().map(|l| l.get(i).map_or(0, String::len)).max().unwrap_or(0)).collect();
+    let mut out = format!(
+        "usage from {} to {}, by {}\n",
+        v["from"].as_str().unwrap_or("?"),
+        v["to"].as_str().unwrap_or("?"),
+        v["by"].as_str().unwrap_or("?")
+    );
+    for l in &lines {
+        let cells: Vec<String> = l.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if rows.is_empty() {
+        out.push_str("(no calls in this range)\n");
+    }
+    if v["truncated"].as_bool() == Some(true) {
+        out.push_str(&format!("(the first {MAX_ROWS} rows: narrow the range or name a key)\n"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postern_model::usage::{CallerKind, Row, latency_bucket};
+
+    fn row(caller: &str, route: &str, status: [u64; 5], ms: u64) -> Row {
+        let mut latency = vec![0; LATENCY_BUCKETS];
+        latency[latency_bucket(ms * 1000)] = status.iter().sum();
+        Row {
+            caller: caller.into(),
+            kind: CallerKind::Key,
+            product: "search".into(),
+            route: route.into(),
+            status,
+            latency,
+            latency_us: ms * 1000 * status.iter().sum::<u64>(),
+        }
+    }
+
+    fn window(node: &str, seq: u64, start: u64, rows: Vec<Row>) -> Window {
+        Window { node: node.into(), seq, start, recovered: false, rows }
+    }
+
+    // 2026-12-01T00:00:00Z.
+    const DEC: u64 = 1_796_083_200;
+
+    #[test]
+    fn a_window_is_added_once_however_often_it_comes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let w1 = window("a", 1, DEC, vec![row("k1", "search/query", [0, 7, 1, 2, 0], 4)]);
+        let w2 = window("a", 2, DEC + 10, vec![row("k1", "search/query", [0, 3, 0, 0, 1], 40)]);
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), UsageAck { applied: 1, duplicates: 0 });
+        assert_eq!(store.apply(&[w1.clone(), w2], DEC).unwrap(), UsageAck { applied: 1, duplicates: 1 });
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), UsageAck { applied: 0, duplicates: 1 });
+        // Other contents under a known (node, seq): refused whole.
+        let mut other = w1;
+        other.rows[0].status[1] += 1;
+        other.rows[0].latency[latency_bucket(4000)] += 1;
+        let w3 = window("a", 3, DEC + 20, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 4)]);
+        assert!(matches!(store.apply(&[w3, other], DEC), Err(ApplyError::Conflict { seq: 1, .. })));
+        let t = store.totals("2026-12", None).unwrap();
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].billable, t[0].calls), (11, 14));
+        let q = Query { caller: None, product: None, team: None, from: DEC, to: DEC + 60, by: By::Route };
+        let rows = store.query(&q).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].calls, rows[0].billable, rows[0].at.clone()), (14, 11, None));
+        assert!(rows[0].latency_ms.p99 > 30.0, "{:?}", rows[0].latency_ms);
+        let nodes = store.nodes().unwrap();
+        assert_eq!((nodes[0].windows, nodes[0].last_seq, nodes[0].missing), (2, 2, 0));
+        // Reopened, everything is still there.
+        drop(store);
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 11);
+    }
+
+    #[test]
+    fn rows_group_by_minute_and_day_and_a_team_sees_its_routes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let windows = vec![
+            window(
+                "a",
+                1,
+                DEC,
+                vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1), row("k2", "pay/charge", [0, 2, 0, 0, 0], 1)],
+            ),
+            window("a", 2, DEC + 60, vec![row("k1", "search/query", [0, 4, 0, 0, 0], 1)]),
+            window("b", 5, DEC - 10, vec![row("k1", "search/query", [0, 8, 0, 0, 0], 1)]),
+        ];
+        store.apply(&windows, DEC).unwrap();
+        let all = |by| Query { caller: Some("k1".into()), product: None, team: None, from: DEC, to: DEC + 120, by };
+        let by_minute = store.query(&all(By::Minute)).unwrap();
+        assert_eq!(by_minute.iter().map(|r| r.calls).collect::<Vec<_>>(), vec![1, 4]);
+        assert_eq!(by_minute[0].at.as_deref(), Some("2026-12-01T00:00:00Z"));
+        let by_day = store.query(&all(By::Day)).unwrap();
+        assert_eq!(by_day.iter().map(|r| r.calls).collect::<Vec<_>>(), vec![5]);
+        let mut q = all(By::Route);
+        q.caller = None;
+        q.team = Some("pay".into());
+        assert_eq!(store.query(&q).unwrap().iter().map(|r| r.route.as_str()).collect::<Vec<_>>(), vec!["pay/charge"]);
+        // The November window is November's.
+        assert_eq!(store.totals("2026-11", Some("k1")).unwrap()[0].billable, 8);
+        assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 5);
+        // Node b's windows 1..4 never came.
+        assert_eq!(store.nodes().unwrap()[1].missing, 4);
+    }
+
+    #[test]
+    fn times_parse_as_the_api_takes_them() {
+        assert_eq!(parse_time("1796083200"), Some(DEC));
+        assert_eq!(parse_time("2026-12-01"), Some(DEC));
+        assert_eq!(parse_time("2026-12-01T00:01:00Z"), Some(DEC + 60));
+        assert_eq!(parse_time("yesterday"), None);
+        assert_eq!(rfc3339(DEC), "2026-12-01T00:00:00Z");
+        assert_eq!(
+            query_unescape(&query_escape("2026-12-01T00:00:00+01:00 a")).as_deref(),
+            Some("2026-12-01T00:00:00+01:00 a")
+        );
+        assert_eq!(query_unescape("%zz"), None);
+    }
+}

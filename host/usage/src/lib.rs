@@ -1,0 +1,514 @@
+//! Usage metering on a node: every answered call of an authenticated caller is counted
+//! in memory ([`meter`]); closed 10 s windows are numbered and written to a crash-safe
+//! disk [`spool`]; a shipper thread sends them on to the usage stream and frees them
+//! only once it acknowledged them.
+//!
+//! Threads: the request workers only count (one uncontended lock, no I/O, no
+//! allocation for a caller already in the window). `usage-closer` closes windows a
+//! quarter second after their end, appends them to the spool, and once a second
+//! checkpoints the open window to `open.json`, so `kill -9` loses at most about a second
+//! of this node's calls. `usage-shipper` sends spooled windows in order through a
+//! [`Sink`]. Neither ever runs on a request worker.
+#![deny(missing_docs)]
+
+pub mod meter;
+pub mod spool;
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use postern_model::usage::{WINDOW_S, Window};
+use serde::{Deserialize, Serialize};
+
+pub use meter::{Call, Meter};
+pub use spool::{Opened, Spool, SpoolError, SpoolLimits};
+
+/// How long after a window's end it is closed: calls answered at its very end are
+/// counted in it unless their thread ran this much later.
+const GRACE: Duration = Duration::from_millis(250);
+/// How often the open window is checkpointed.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// Windows sent in one batch at most.
+const BATCH: usize = 64;
+/// Bytes sent in one batch at most (at least one window).
+const BATCH_BYTES: u64 = 4 << 20;
+
+/// Where spooled windows go: the usage stream.
+pub trait Sink: Send {
+    /// Delivers windows (`(seq, window JSON)`, in order); `Ok` only once every one is
+    /// acknowledged (applied or already applied).
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), String>;
+}
+
+/// Counters shown in `/readyz` and `/metrics`.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Windows written to the spool.
+    pub spooled: AtomicU64,
+    /// Failed spool writes (a full spool or disk).
+    pub spool_errors: AtomicU64,
+    /// Windows the usage stream acknowledged.
+    pub shipped: AtomicU64,
+    /// Failed sends.
+    pub ship_errors: AtomicU64,
+    /// Closed windows waiting in memory for the spool.
+    pub pending: AtomicU64,
+    /// Windows rebuilt from a checkpoint after a crash.
+    pub recovered: AtomicU64,
+    /// The last spool error, while the spool is failing.
+    pub spool_error: Mutex<Option<String>>,
+    /// The last send error, while sending is failing.
+    pub ship_error: Mutex<Option<String>>,
+}
+
+/// The open windows as checkpointed: rebuilt into records after a crash.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Checkpoint {
+    /// The spool's next sequence number when it was written.
+    next: u64,
+    /// Closed windows not yet spooled, then the open ones (`seq` 0: not numbered yet).
+    windows: Vec<Window>,
+}
+
+/// The spool's size, for metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct SpoolGauges {
+    /// Records not yet acknowledged.
+    pub unacked: u64,
+    /// Bytes of segments.
+    pub bytes: u64,
+    /// The size cap.
+    pub cap: u64,
+}
+
+/// Usage settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The node's id, on every window.
+    pub node: String,
+    /// The spool's directory.
+    pub dir: PathBuf,
+    /// The spool's limits.
+    pub limits: SpoolLimits,
+}
+
+/// The node's metering: counters, spool and the threads that move windows on.
+#[derive(Debug)]
+pub struct Usage {
+    /// The counters the request path increments.
+    pub meter: Meter,
+    /// The spool (locked by the closer, the shipper and re-sends; never by a request).
+    pub spool: Mutex<Spool>,
+    /// Counters.
+    pub stats: Stats,
+    node: String,
+    /// Closed windows the spool could not take yet, oldest first.
+    pending: Mutex<VecDeque<Window>>,
+    /// Wakes the shipper (a record spooled) and both threads (stop).
+    wake: (Mutex<u64>, Condvar),
+    /// Stops the closer (after a last close of every window).
+    stop: AtomicBool,
+    /// Stops the shipper, set once the closer is done (after one last send).
+    ship_stop: AtomicBool,
+    closer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    shipper: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Usage {
+    /// Opens the spool (cutting torn tails), turns the last checkpoint of a crashed run
+    /// into records, and starts the closer and, with a sink, the shipper.
+    pub fn start(settings: Settings, sink: Option<Box<dyn Sink>>) -> Result<Arc<Usage>, SpoolError> {
+        let (spool, opened) = Spool::open(&settings.dir, &settings.node, settings.limits)?;
+        tracing::info!(
+            dir = %settings.dir.display(),
+            records = opened.records,
+            next = spool.next_seq(),
+            acked = spool.acked(),
+            "usage spool open"
+        );
+        let usage = Arc::new(Usage {
+            meter: Meter::new(),
+            spool: Mutex::new(spool),
+            stats: Stats::default(),
+            node: settings.node,
+            pending: Mutex::new(VecDeque::new()),
+            wake: (Mutex::new(0), Condvar::new()),
+            stop: AtomicBool::new(false),
+            ship_stop: AtomicBool::new(false),
+            closer: Mutex::new(None),
+            shipper: Mutex::new(None),
+        });
+        usage.recover()?;
+        let u = usage.clone();
+        *usage.closer.lock().unwrap_or_else(|p| p.into_inner()) = Some(spawn("usage-closer", move || u.close_loop())?);
+        if let Some(sink) = sink {
+            let u = usage.clone();
+            *usage.shipper.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(spawn("usage-shipper", move || u.ship_loop(sink))?);
+        }
+        Ok(usage)
+    }
+
+    fn checkpoint_path(&self) -> PathBuf {
+        self.lock_spool().dir().join("open.json")
+    }
+
+    fn lock_spool(&self) -> std::sync::MutexGuard<'_, Spool> {
+        self.spool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends the windows of a crashed run's checkpoint that no later record closed.
+    fn recover(&self) -> Result<(), SpoolError> {
+        let path = self.checkpoint_path();
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(SpoolError::Io { path, source: e }),
+        };
+        let cp: Checkpoint = match serde_json::from_slice(&bytes) {
+            Ok(cp) => cp,
+            Err(e) => {
+                // Written whole and renamed, so this is not a torn write: keep it aside.
+                tracing::error!(path = %path.display(), error = %e, "usage checkpoint unreadable, kept as open.json.bad");
+                let _ = std::fs::rename(&path, path.with_extension("json.bad"));
+                return Ok(());
+            }
+        };
+        let mut spool = self.lock_spool();
+        // A window is closed already when a record written after the checkpoint starts
+        // at or after it (windows close in order).
+        let closed_through = spool.last_start_since(cp.next);
+        for mut w in cp.windows {
+            if closed_through.is_some_and(|s| s >= w.start) || w.rows.is_empty() {
+                continue;
+            }
+            w.recovered = true;
+            w.node.clone_from(&self.node);
+            spool.append(|seq| {
+                w.seq = seq;
+                serde_json::to_vec(&w).unwrap_or_default()
+            })?;
+            self.stats.recovered.fetch_add(1, Ordering::Relaxed);
+            self.stats.spooled.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(seq = w.seq, start = w.start, "usage window recovered from the last checkpoint");
+        }
+        drop(spool);
+        std::fs::remove_file(&path).map_err(|e| SpoolError::Io { path, source: e })
+    }
+
+    /// Closes windows before `window` into the pending queue.
+    fn close_into_pending(&self, window: u64) {
+        let closed = self.meter.close_before(window);
+        if closed.is_empty() {
+            return;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        for (w, rows) in closed {
+            pending.push_back(Window {
+                node: self.node.clone(),
+                seq: 0,
+                start: w * WINDOW_S,
+                recovered: false,
+                rows: meter::to_rows(&rows),
+            });
+        }
+        self.stats.pending.store(pending.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Spools pending windows in order until one fails.
+    fn flush_pending(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if pending.is_empty() {
+            return;
+        }
+        let mut spool = self.lock_spool();
+        let mut wrote = false;
+        while let Some(w) = pending.front_mut() {
+            let appended = spool.append(|seq| {
+                w.seq = seq;
+                serde_json::to_vec(&*w).unwrap_or_default()
+            });
+            match appended {
+                Ok(_) => {
+                    pending.pop_front();
+                    wrote = true;
+                    self.stats.spooled.fetch_add(1, Ordering::Relaxed);
+                    *self.stats.spool_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                }
+                Err(e) => {
+                    self.stats.spool_errors.fetch_add(1, Ordering::Relaxed);
+                    let msg = e.to_string();
+                    let mut last = self.stats.spool_error.lock().unwrap_or_else(|p| p.into_inner());
+                    if last.as_deref() != Some(&msg) {
+                        tracing::error!(error = %msg, pending = pending.len(), "usage spool: cannot write; windows kept in memory and retried every second");
+                    }
+                    *last = Some(msg);
+                    break;
+                }
+            }
+        }
+        self.stats.pending.store(pending.len() as u64, Ordering::Relaxed);
+        drop(spool);
+        drop(pending);
+        if wrote {
+            self.notify();
+        }
+    }
+
+    /// Writes the pending and open windows to `open.json` (whole, then renamed).
+    fn checkpoint(&self, last_total: &mut u64) {
+        let open = self.meter.open_rows();
+        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let total: u64 = open.values().flat_map(|r| r.values()).map(meter::Counts::calls).sum::<u64>()
+            + pending.iter().flat_map(|w| &w.rows).map(|r| r.calls()).sum::<u64>();
+        // Unchanged since the last checkpoint (counts only grow within a window; a
+        // window closing moves its calls out, which changes the total).
+        if total == *last_total {
+            return;
+        }
+        let path = self.checkpoint_path();
+        if total == 0 {
+            let _ = std::fs::remove_file(&path);
+            *last_total = 0;
+            return;
+        }
+        let mut windows: Vec<Window> = pending.into_iter().collect();
+        windows.extend(open.iter().map(|(w, rows)| Window {
+            node: self.node.clone(),
+            seq: 0,
+            start: w * WINDOW_S,
+            recovered: false,
+            rows: meter::to_rows(rows),
+        }));
+        let cp = Checkpoint { next: self.lock_spool().next_seq(), windows };
+        match serde_json::to_vec(&cp)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| postern_model::disk::write_atomic(&path, &bytes).map_err(|e| e.to_string()))
+        {
+            Ok(()) => *last_total = total,
+            Err(e) => tracing::warn!(error = %e, "usage checkpoint not written"),
+        }
+    }
+
+    fn close_loop(&self) {
+        let mut last_checkpoint = Instant::now();
+        let mut last_total = u64::MAX;
+        loop {
+            let stopping = self.wait(&self.stop, Duration::from_millis(100));
+            let now = Instant::now();
+            let cutoff = if stopping {
+                // Every window, the open one too: nothing is left to checkpoint.
+                self.meter.window_of(now) + 1
+            } else {
+                self.meter.window_of(now.checked_sub(GRACE).unwrap_or(now))
+            };
+            if cutoff > self.meter.open_from() {
+                self.close_into_pending(cutoff);
+            }
+            self.flush_pending();
+            if stopping {
+                if self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                    let _ = std::fs::remove_file(self.checkpoint_path());
+                } else {
+                    let mut force = u64::MAX;
+                    self.checkpoint(&mut force);
+                }
+                return;
+            }
+            if last_checkpoint.elapsed() >= CHECKPOINT_EVERY {
+                last_checkpoint = Instant::now();
+                self.checkpoint(&mut last_total);
+            }
+        }
+    }
+
+    fn ship_loop(&self, mut sink: Box<dyn Sink>) {
+        let mut backoff = Duration::from_millis(250);
+        loop {
+            let stopping = self.ship_stop.load(Ordering::Acquire);
+            let batch = {
+                let spool = self.lock_spool();
+                spool.read(spool.acked() + 1, BATCH, BATCH_BYTES)
+            };
+            let batch = match batch {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(error = %e, "usage spool: cannot read");
+                    Vec::new()
+                }
+            };
+            let Some(&(last, _)) = batch.last() else {
+                if stopping {
+                    return;
+                }
+                self.wait(&self.ship_stop, Duration::from_secs(1));
+                continue;
+            };
+            match sink.send(&batch) {
+                Ok(()) => {
+                    backoff = Duration::from_millis(250);
+                    self.stats.shipped.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    *self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                    if let Err(e) = self.lock_spool().ack(last) {
+                        tracing::error!(error = %e, "usage spool: cannot record the acknowledgement");
+                    }
+                }
+                Err(e) => {
+                    self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
+                    let mut last = self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner());
+                    if last.as_deref() != Some(&e) {
+                        tracing::warn!(error = %e, "usage windows not delivered; retrying (they stay in the spool)");
+                    }
+                    *last = Some(e);
+                    drop(last);
+                    if stopping {
+                        return;
+                    }
+                    self.wait(&self.ship_stop, backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+    }
+
+    /// Sleeps up to `d` or until woken; whether `stop` is set.
+    fn wait(&self, stop: &AtomicBool, d: Duration) -> bool {
+        let (lock, cv) = &self.wake;
+        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = *guard;
+        if !stop.load(Ordering::Acquire) {
+            let _ = cv.wait_timeout_while(guard, d, |n| *n == seen && !stop.load(Ordering::Acquire));
+        }
+        stop.load(Ordering::Acquire)
+    }
+
+    fn notify(&self) {
+        let (lock, cv) = &self.wake;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        cv.notify_all();
+    }
+
+    /// Closes every window (the open one too) into the spool, gives the shipper one
+    /// last try, and stops both threads. Call after requests have drained.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.notify();
+        if let Some(t) = self.closer.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        self.ship_stop.store(true, Ordering::Release);
+        self.notify();
+        if let Some(t) = self.shipper.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Spooled records from `from` to `to` (inclusive), as stored: for re-sends.
+    pub fn windows(&self, from: u64, to: u64) -> Result<Vec<(u64, Vec<u8>)>, SpoolError> {
+        let want = usize::try_from(to.saturating_sub(from).saturating_add(1)).unwrap_or(usize::MAX).min(10_000);
+        self.lock_spool().read(from, want, 64 << 20)
+    }
+
+    /// The spool's size, for metrics.
+    pub fn spool_gauges(&self) -> SpoolGauges {
+        let spool = self.lock_spool();
+        SpoolGauges { unacked: spool.unacked(), bytes: spool.bytes(), cap: spool.cap() }
+    }
+
+    /// The spool's state for `/readyz`.
+    pub fn state(&self) -> serde_json::Value {
+        let spool = self.lock_spool();
+        let spool_error = self.stats.spool_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let ship_error = self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        serde_json::json!({
+            "metered": true,
+            "node": self.node,
+            "spool": if spool_error.is_some() { "degraded" } else { "ok" },
+            "spool_error": spool_error,
+            "ship_error": ship_error,
+            "next_seq": spool.next_seq(),
+            "acked": spool.acked(),
+            "unacked": spool.unacked(),
+            "spool_bytes": spool.bytes(),
+            "pending": self.stats.pending.load(Ordering::Relaxed),
+        })
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<std::thread::JoinHandle<()>, SpoolError> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(|e| SpoolError::Io { path: PathBuf::from(name), source: e })
+}
+
+/// Sends windows to a control plane's intake, `POST /v1/usage`, with the node's token.
+pub struct HttpSink {
+    rt: tokio::runtime::Runtime,
+    client: postern_model::tls::ControlClient,
+    url: String,
+    token: String,
+}
+
+impl HttpSink {
+    /// A sink to the control plane at `base` (`http(s)://host:port`).
+    pub fn new(base: &str, token: &str, ca: Option<&std::path::Path>) -> anyhow::Result<HttpSink> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let client = {
+            let _enter = rt.enter();
+            postern_model::tls::client(ca)?
+        };
+        Ok(HttpSink {
+            rt,
+            client,
+            url: format!("{}{}", base.trim_end_matches('/'), postern_model::protocol::USAGE_PATH),
+            token: token.to_owned(),
+        })
+    }
+}
+
+/// Spooled windows as one batch, `{"windows": [...]}` ([`postern_model::protocol::UsageBatch`]),
+/// their bytes as spooled.
+pub fn batch_body(windows: &[(u64, Vec<u8>)]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(windows.iter().map(|w| w.1.len() + 1).sum::<usize>() + 16);
+    body.extend_from_slice(b"{\"windows\":[");
+    for (i, (_, w)) in windows.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(w);
+    }
+    body.extend_from_slice(b"]}");
+    body
+}
+
+impl Sink for HttpSink {
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), String> {
+        let body = batch_body(windows);
+        let req = http::Request::post(&self.url)
+            .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let client = self.client.clone();
+        let url = self.url.clone();
+        self.rt.block_on(async move {
+            let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+                .await
+                .map_err(|_| format!("{url}: no answer in 10 s"))?
+                .map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status();
+            let body =
+                http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()))
+            }
+        })
+    }
+}
