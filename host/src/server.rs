@@ -134,10 +134,11 @@ pub struct Args {
     /// `--node-id`, the node takes the spool's.
     #[arg(long, value_name = "DIR")]
     pub usage_spool: Option<PathBuf>,
-    /// The spool's size cap in MiB: a full spool refuses new windows (logged, counted,
-    /// shown in `/readyz`) and keeps them in memory; nothing spooled is dropped.
-    #[arg(long, default_value_t = 1024)]
-    pub usage_spool_max_mb: u64,
+    /// The spool's size cap (`1GiB`, `64MiB`, `512KiB` or bytes): a full spool refuses
+    /// new windows (logged, counted, shown in `/readyz`) and keeps them in memory until
+    /// acknowledged windows make room; nothing spooled is dropped.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub usage_spool_max: u64,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -156,6 +157,21 @@ pub struct Args {
     /// either direction. HTTP/1 waits at most 10 s between requests (its header timeout).
     #[arg(long, default_value_t = 60)]
     pub idle_timeout_s: u64,
+}
+
+/// A size: bytes, or a number with `KiB`, `MiB` or `GiB`.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a size (1GiB, 64MiB, 512KiB, bytes)"))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" | "K" | "k" => 10,
+        "MiB" | "M" => 20,
+        "GiB" | "G" => 30,
+        u => return Err(format!("{u:?}: sizes are in KiB, MiB or GiB")),
+    };
+    n.checked_mul(1 << shift).filter(|&b| b > 0).ok_or_else(|| format!("{s:?} is out of range"))
 }
 
 /// Limits on client connections, from [`Args`].
@@ -744,10 +760,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let settings = postern_usage::Settings {
                 node: node_id.clone(),
                 dir: dir.clone(),
-                limits: postern_usage::SpoolLimits {
-                    cap: args.usage_spool_max_mb.max(1) << 20,
-                    ..postern_usage::SpoolLimits::default()
-                },
+                limits: postern_usage::SpoolLimits::with_cap(args.usage_spool_max),
             };
             let usage = postern_usage::Usage::start(settings, sink).context("cannot start usage metering")?;
             tracing::info!(node = %node_id, spool = %dir.display(), shipped_to = ?args.control, "usage metered");

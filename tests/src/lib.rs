@@ -616,7 +616,9 @@ pub mod control_plane {
         let mut child = Command::new(bin("posternctl"))
             .arg("serve")
             .arg(repo)
-            .args(["--store", store, "--listen", "127.0.0.1:0"])
+            .args(["--store", store])
+            // An ephemeral port unless `extra` names one (a restart on the same port).
+            .args(if extra.contains(&"--listen") { &[][..] } else { &["--listen", "127.0.0.1:0"][..] })
             .args(extra)
             .arg("--tokens")
             .arg(tokens)

@@ -298,3 +298,57 @@ async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothi
     let n0 = n0.unwrap_or_else(|| panic!("{nodes}"));
     assert_eq!((n0["recovered"].as_u64(), n0["missing"].as_u64()), (Some(1), Some(0)), "{nodes}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_spool_and_an_absent_control_plane_delay_usage_and_lose_none_of_it() {
+    let Fleet { _echo, repo, work, cp } = fleet();
+    // Sixteen keys make a window of about 3 KiB: a 5 KiB spool holds one.
+    let keys: Vec<(String, String)> = (0..16)
+        .map(|i| (format!("k{i:02}"), new_key(repo.path(), &format!("k{i:02}"), "app", "acme", "gold", &[])))
+        .collect();
+    ctl(&cp, &["publish"]);
+    let dir = work.path().join("n0");
+    let node = start_node_with(&cp.url, &dir, "node-0", &["--usage-spool-max", "5KiB"]);
+    // The control plane goes away: windows wait in the spool, then in memory.
+    let listen = cp.url.trim_start_matches("http://").to_owned();
+    drop(cp);
+
+    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+    let t = Instant::now();
+    let mut degraded = serde_json::Value::Null;
+    while t.elapsed() < Duration::from_secs(40) {
+        for (id, key) in &keys {
+            // The node serves as ever while its spool is full.
+            assert_eq!(call(&node, key, 200).await, StatusCode::OK);
+            *seen.entry(id.clone()).or_default() += 1;
+        }
+        let state = spool_state(&node).await;
+        if state["spool"] == "degraded" && state["pending"].as_u64() >= Some(1) {
+            degraded = state;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(degraded.is_object(), "the spool never filled: {}", spool_state(&node).await);
+    eprintln!("spool full after {} ms: {degraded}", t.elapsed().as_millis());
+    assert!(degraded["spool_error"].as_str().unwrap_or_default().contains("full"), "{degraded}");
+    assert!(degraded["ship_error"].is_string(), "{degraded}");
+    let metrics = get(&node.admin_url("/metrics"), &[]).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    let errors = text.lines().find_map(|l| l.strip_prefix("postern_usage_spool_errors_total ")).unwrap_or("0");
+    assert!(errors.parse::<u64>().unwrap_or(0) > 0, "{text}");
+
+    // Back on the same address and store: the spool drains, the windows kept in memory
+    // follow it, and every call is billed exactly once.
+    let store = work.path().join("store");
+    let cp = serve(repo.path(), store.to_str().unwrap(), &work.path().join("tokens.json"), &["--listen", &listen]);
+    let t = Instant::now();
+    wait_for("every call billed after the outage", Duration::from_secs(30), async || billed(&cp) == seen).await;
+    eprintln!(
+        "billed {} calls exactly, {} ms after the control plane came back",
+        seen.values().sum::<u64>(),
+        t.elapsed().as_millis()
+    );
+    wait_for("the spool to recover", Duration::from_secs(5), async || spool_state(&node).await["spool"] == "ok").await;
+    drop(node);
+}

@@ -31,6 +31,8 @@ pub use spool::{Opened, Spool, SpoolError, SpoolLimits};
 const GRACE: Duration = Duration::from_millis(250);
 /// How often the open window is checkpointed.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// The longest wait between two tries of a failing send.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Windows sent in one batch at most.
 const BATCH: usize = 64;
 /// Bytes sent in one batch at most (at least one window).
@@ -369,7 +371,7 @@ impl Usage {
                         return;
                     }
                     self.wait(&self.ship_stop, backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
         }

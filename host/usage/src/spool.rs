@@ -74,6 +74,9 @@ struct Head {
     node: String,
     next: u64,
     acked: u64,
+    /// The start of the newest record (kept when its segment is freed).
+    #[serde(default)]
+    last_start: u64,
 }
 
 /// The fields of a record the index needs.
@@ -111,6 +114,15 @@ pub struct SpoolLimits {
     pub retain: Duration,
 }
 
+impl SpoolLimits {
+    /// The defaults with a size cap of `cap` bytes; segments are an eighth of it at most,
+    /// so acknowledged ones can be freed long before the cap.
+    pub fn with_cap(cap: u64) -> SpoolLimits {
+        let d = SpoolLimits::default();
+        SpoolLimits { cap, segment: d.segment.min((cap / 8).max(1)), ..d }
+    }
+}
+
 impl Default for SpoolLimits {
     fn default() -> SpoolLimits {
         SpoolLimits { cap: 1 << 30, segment: 16 << 20, retain: Duration::from_secs(48 * 3600) }
@@ -137,6 +149,8 @@ pub struct Spool {
     file: Option<File>,
     next: u64,
     acked: u64,
+    /// The start of the newest record appended (windows close in order).
+    last_start: u64,
 }
 
 impl Spool {
@@ -160,7 +174,9 @@ impl Spool {
         let head = match std::fs::read(&head_path) {
             Ok(bytes) => serde_json::from_slice::<Head>(&bytes)
                 .map_err(|e| SpoolError::Corrupt { path: head_path.clone(), why: e.to_string() })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Head { node: node.to_owned(), next: 1, acked: 0 },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Head { node: node.to_owned(), next: 1, acked: 0, last_start: 0 }
+            }
             Err(e) => return Err(SpoolError::Io { path: head_path, source: e }),
         };
         if head.node != node {
@@ -179,12 +195,14 @@ impl Spool {
         let mut opened = Opened::default();
         let mut segments = Vec::with_capacity(names.len());
         let mut next = head.next.max(1);
+        let mut last_start = head.last_start;
         for (_, path) in names {
             let (seg, cut) = scan(&path)?;
             opened.cut_bytes += cut;
             opened.records += seg.entries.len();
             if let Some(last) = seg.entries.last() {
                 next = next.max(last.seq + 1);
+                last_start = last_start.max(last.start);
             }
             segments.push(seg);
         }
@@ -196,6 +214,7 @@ impl Spool {
             file: None,
             next,
             acked: head.acked,
+            last_start,
         };
         spool.write_head()?;
         Ok((spool, opened))
@@ -226,9 +245,10 @@ impl Spool {
         self.next.saturating_sub(self.acked + 1)
     }
 
-    /// The start of the newest record with `seq >= from`, if any.
+    /// The start of the newest record if one was appended with `seq >= from` (freed or
+    /// not: the head keeps it).
     pub fn last_start_since(&self, from: u64) -> Option<u64> {
-        self.segments.iter().rev().flat_map(|s| s.entries.iter().rev()).find(|e| e.seq >= from).map(|e| e.start)
+        (self.next > from).then_some(self.last_start)
     }
 
     /// Appends one record made by `make(seq)` for the next sequence number, synced
@@ -273,6 +293,7 @@ impl Spool {
         seg.len += need;
         seg.written = SystemTime::now();
         self.next = seq + 1;
+        self.last_start = self.last_start.max(start);
         // The head keeps the number too, so a record damaged on disk later (not a torn
         // tail: this one was synced) never gets its number reused. If this write fails
         // the record itself still carries it.
@@ -331,17 +352,23 @@ impl Spool {
         self.free(0)
     }
 
-    /// Deletes acknowledged segments (never the one being written) older than the
-    /// retention, and more of them, oldest first, until `need` bytes fit under the cap.
+    /// Deletes acknowledged segments (the one being written only once it is full) older
+    /// than the retention, and more of them, oldest first, until `need` bytes fit under
+    /// the cap.
     fn free(&mut self, need: u64) -> Result<(), SpoolError> {
         let now = SystemTime::now();
-        while self.segments.len() > 1 {
-            let seg = &self.segments[0];
+        while let Some(seg) = self.segments.first() {
             let acked = seg.entries.last().is_none_or(|e| e.seq <= self.acked);
             let old = now.duration_since(seg.written).unwrap_or_default() >= self.limits.retain;
             let tight = self.bytes() + need > self.limits.cap;
-            if !acked || !(old || tight) {
+            // The segment being written goes only once it is full: the next append
+            // starts a new one.
+            let last = self.segments.len() == 1;
+            if !acked || !(old || tight) || (last && seg.len < self.limits.segment) {
                 break;
+            }
+            if last {
+                self.file = None;
             }
             let seg = self.segments.remove(0);
             std::fs::remove_file(&seg.path).map_err(io(&seg.path))?;
@@ -350,7 +377,7 @@ impl Spool {
     }
 
     fn write_head(&self) -> Result<(), SpoolError> {
-        let head = Head { node: self.node.clone(), next: self.next, acked: self.acked };
+        let head = Head { node: self.node.clone(), next: self.next, acked: self.acked, last_start: self.last_start };
         let path = self.dir.join("head.json");
         let bytes = serde_json::to_vec(&head).unwrap_or_default();
         disk::write_atomic(&path, &bytes).map_err(|e| SpoolError::Corrupt { path, why: e.to_string() })
@@ -427,10 +454,14 @@ mod tests {
         // Everything acknowledged and past keeping: freed, but the numbering goes on.
         s.limits.retain = Duration::ZERO;
         s.ack(10).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(s.segments.len(), 1, "the segment being written stays");
+        assert!(s.segments.len() <= 1 && s.bytes() < 200, "only a segment still being written stays");
+        assert_eq!(s.append(record).ok(), Some(11), "a freed spool numbers on");
+        s.ack(11).unwrap_or_else(|e| panic!("{e}"));
         drop(s);
         let (s, _) = Spool::open(dir.path(), "n", limits()).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((s.next_seq(), s.acked(), s.unacked()), (11, 10, 0));
+        assert_eq!((s.next_seq(), s.acked(), s.unacked()), (12, 11, 0));
+        // The newest record's start outlives its segment (crash recovery reads it).
+        assert_eq!((s.last_start_since(11), s.last_start_since(12)), (Some(110), None));
         assert!(Spool::open(dir.path(), "other", limits()).unwrap_err().to_string().contains("belongs to node n"));
     }
 
