@@ -145,8 +145,9 @@ struct Server {
     usage: Option<Arc<UsageStore>>,
 }
 
-/// A usage batch's body at most (64 windows of a busy node).
-const USAGE_BODY_LIMIT: usize = 16 << 20;
+/// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
+/// larger (a busy node's 10 s of distinct callers × routes).
+const USAGE_BODY_LIMIT: usize = 64 << 20;
 
 /// A usage query's parameters, decoded.
 fn usage_params(query: &str) -> Result<Vec<(String, String)>, String> {

@@ -178,6 +178,8 @@ pub struct NodeWindows {
     pub missing: u64,
     /// Windows rebuilt by the node from a checkpoint after a crash.
     pub recovered: u64,
+    /// Deliveries of windows already applied, dropped.
+    pub duplicates: u64,
 }
 
 fn hist_cols(prefix: &str) -> String {
@@ -208,7 +210,9 @@ impl UsageStore {
                 s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL, s4 INTEGER NOT NULL,
                 s5 INTEGER NOT NULL, latency_us INTEGER NOT NULL, {hist_decl},
                 PRIMARY KEY (caller, kind, route, product, minute)) WITHOUT ROWID;
-             CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);"
+             CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);
+             CREATE TABLE IF NOT EXISTS duplicates (
+                node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;"
         ))?;
         Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
     }
@@ -276,6 +280,11 @@ impl UsageStore {
                         return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
                     }
                     ack.duplicates += 1;
+                    tx.execute(
+                        "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
+                         ON CONFLICT DO UPDATE SET windows = windows + 1",
+                        params![w.node],
+                    )?;
                     continue;
                 }
                 ack.applied += 1;
@@ -397,7 +406,8 @@ impl UsageStore {
     pub fn nodes(&self) -> rusqlite::Result<Vec<NodeWindows>> {
         let conn = self.lock();
         let mut stmt = conn.prepare_cached(
-            "SELECT node, COUNT(*), MAX(seq), SUM(recovered) FROM applied GROUP BY node ORDER BY node",
+            "SELECT a.node, COUNT(*), MAX(a.seq), SUM(a.recovered), COALESCE(MAX(d.windows), 0)
+             FROM applied a LEFT JOIN duplicates d ON d.node = a.node GROUP BY a.node ORDER BY a.node",
         )?;
         let rows = stmt.query_map([], |r| {
             let windows = r.get::<_, i64>(1)?.max(0) as u64;
@@ -408,6 +418,7 @@ impl UsageStore {
                 last_seq,
                 missing: last_seq.saturating_sub(windows),
                 recovered: r.get::<_, i64>(3)?.max(0) as u64,
+                duplicates: r.get::<_, i64>(4)?.max(0) as u64,
             })
         })?;
         rows.collect()
@@ -584,7 +595,7 @@ mod tests {
         assert_eq!((rows[0].calls, rows[0].billable, rows[0].at.clone()), (14, 11, None));
         assert!(rows[0].latency_ms.p99 > 30.0, "{:?}", rows[0].latency_ms);
         let nodes = store.nodes().unwrap();
-        assert_eq!((nodes[0].windows, nodes[0].last_seq, nodes[0].missing), (2, 2, 0));
+        assert_eq!((nodes[0].windows, nodes[0].last_seq, nodes[0].missing, nodes[0].duplicates), (2, 2, 0, 2));
         // Reopened, everything is still there.
         drop(store);
         let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();

@@ -73,10 +73,15 @@ async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
     let k2 = new_key(repo.path(), "k2", "app2", "acme", "gold", &[]);
     ctl(&cp, &["publish"]);
     let node = start_node(&cp.url, &work.path().join("n0"), "node-0");
+    // The credentials lane follows the snapshot's: wait for the keys (one billable call).
+    wait_for("the node to take the keys", Duration::from_secs(10), async || {
+        call(&node, &k2, 200).await == StatusCode::OK
+    })
+    .await;
 
     // 2xx and 3xx are billable; 4xx and 5xx are counted, not billed; a refused key and
     // a public route are not metered at all.
-    let mut seen: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut seen: BTreeMap<&str, u64> = BTreeMap::from([("k2", 1)]);
     for (key, id, n) in [(&k1, "k1", 40), (&k2, "k2", 25)] {
         for i in 0..n {
             let want = match i % 10 {
@@ -166,6 +171,11 @@ async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
     renumbered["windows"][0]["start"] = serde_json::json!(renumbered["windows"][0]["start"].as_u64().unwrap() + 10);
     assert_eq!(post_usage(&cp, Some(NODE_TOKEN), renumbered.to_string()).await.0, StatusCode::CONFLICT);
     assert_eq!(billed(&cp), before, "a refused window changed a total");
+    // The store reports what it dropped.
+    let auth = format!("Bearer {PLATFORM_TOKEN}");
+    let nodes = get(&format!("{}/v1/usage/nodes", cp.url), &[("authorization", &auth)]).await.json();
+    assert_eq!(nodes["nodes"][0]["duplicates"].as_u64(), Some(last), "{nodes}");
+    assert_eq!(nodes["nodes"][0]["missing"].as_u64(), Some(0), "{nodes}");
     drop(node);
 }
 
@@ -297,6 +307,7 @@ async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothi
     let n0 = nodes["nodes"].as_array().and_then(|n| n.iter().find(|n| n["node"] == "node-0")).cloned();
     let n0 = n0.unwrap_or_else(|| panic!("{nodes}"));
     assert_eq!((n0["recovered"].as_u64(), n0["missing"].as_u64()), (Some(1), Some(0)), "{nodes}");
+    assert_eq!(n0["duplicates"].as_u64(), Some(0), "{nodes}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,11 +320,18 @@ async fn a_full_spool_and_an_absent_control_plane_delay_usage_and_lose_none_of_i
     ctl(&cp, &["publish"]);
     let dir = work.path().join("n0");
     let node = start_node_with(&cp.url, &dir, "node-0", &["--usage-spool-max", "5KiB"]);
-    // The control plane goes away: windows wait in the spool, then in memory.
+    // The node has the keys (the credentials lane follows the snapshot's) before the
+    // control plane goes away; from then on windows wait in the spool, then in memory.
+    let last_key = &keys[keys.len() - 1].1;
+    wait_for("the node to take the keys", Duration::from_secs(10), async || {
+        call(&node, last_key, 200).await == StatusCode::OK
+    })
+    .await;
     let listen = cp.url.trim_start_matches("http://").to_owned();
     drop(cp);
 
-    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+    // The successful call above is billed too.
+    let mut seen: BTreeMap<String, u64> = BTreeMap::from([(keys[keys.len() - 1].0.clone(), 1)]);
     let t = Instant::now();
     let mut degraded = serde_json::Value::Null;
     while t.elapsed() < Duration::from_secs(40) {
