@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use postern_model::protocol::UsageAck;
+use postern_model::protocol::{Missing, UsageAck};
 use postern_model::usage::{LATENCY_BUCKETS, Window, month_period, quantile_ms};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
@@ -211,6 +211,8 @@ impl UsageStore {
                 s5 INTEGER NOT NULL, latency_us INTEGER NOT NULL, {hist_decl},
                 PRIMARY KEY (caller, kind, route, product, minute)) WITHOUT ROWID;
              CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);
+             CREATE TABLE IF NOT EXISTS contiguous (
+                node TEXT NOT NULL PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS duplicates (
                 node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;"
         ))?;
@@ -317,6 +319,10 @@ impl UsageStore {
                     minute.execute(rusqlite::params_from_iter(values.iter()))?;
                 }
             }
+        }
+        let nodes: std::collections::BTreeSet<&str> = windows.iter().map(|w| w.node.as_str()).collect();
+        for node in nodes {
+            ack.missing.extend(advance(&tx, node)?);
         }
         tx.commit()?;
         Ok(ack)
@@ -432,6 +438,39 @@ impl UsageStore {
         })
         .optional()
     }
+}
+
+/// Ranges asked for again in one answer at most.
+const MISSING_RANGES: usize = 64;
+
+/// Moves `node`'s contiguous mark (every number up to it applied) past the numbers now
+/// applied, and returns the gaps above it, below the highest number applied.
+fn advance(tx: &rusqlite::Transaction<'_>, node: &str) -> rusqlite::Result<Vec<Missing>> {
+    let mut mark: u64 = tx
+        .query_row("SELECT seq FROM contiguous WHERE node = ?1", params![node], |r| r.get::<_, i64>(0))
+        .optional()?
+        .map_or(0, |n| n.max(0) as u64);
+    let mut stmt =
+        tx.prepare_cached("SELECT seq FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq LIMIT 100000")?;
+    let above: Vec<u64> = stmt
+        .query_map(params![node, sql_int(mark)], |r| r.get::<_, i64>(0))?
+        .map(|s| s.map(|n| n.max(0) as u64))
+        .collect::<rusqlite::Result<_>>()?;
+    let mut missing = Vec::new();
+    let mut prev = mark;
+    for seq in above {
+        if seq == prev + 1 && prev == mark {
+            mark = seq;
+        } else if seq > prev + 1 && missing.len() < MISSING_RANGES {
+            missing.push(Missing { node: node.to_owned(), from: prev + 1, to: seq - 1 });
+        }
+        prev = seq;
+    }
+    tx.execute(
+        "INSERT INTO contiguous (node, seq) VALUES (?1, ?2) ON CONFLICT DO UPDATE SET seq = excluded.seq",
+        params![node, sql_int(mark)],
+    )?;
+    Ok(missing)
 }
 
 /// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
@@ -577,9 +616,10 @@ mod tests {
         let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
         let w1 = window("a", 1, DEC, vec![row("k1", "search/query", [0, 7, 1, 2, 0], 4)]);
         let w2 = window("a", 2, DEC + 10, vec![row("k1", "search/query", [0, 3, 0, 0, 1], 40)]);
-        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), UsageAck { applied: 1, duplicates: 0 });
-        assert_eq!(store.apply(&[w1.clone(), w2], DEC).unwrap(), UsageAck { applied: 1, duplicates: 1 });
-        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), UsageAck { applied: 0, duplicates: 1 });
+        let ack = |applied, duplicates| UsageAck { applied, duplicates, missing: Vec::new() };
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), ack(1, 0));
+        assert_eq!(store.apply(&[w1.clone(), w2], DEC).unwrap(), ack(1, 1));
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), ack(0, 1));
         // Other contents under a known (node, seq): refused whole.
         let mut other = w1;
         other.rows[0].status[1] += 1;
@@ -632,6 +672,21 @@ mod tests {
         assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 5);
         // Node b's windows 1..4 never came.
         assert_eq!(store.nodes().unwrap()[1].missing, 4);
+    }
+
+    #[test]
+    fn gaps_below_the_highest_number_are_asked_for_until_filled() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let w = |seq| window("a", seq, DEC + seq * 10, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1)]);
+        let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
+        assert_eq!(missing(store.apply(&[w(1), w(2)], DEC).unwrap()), vec![]);
+        // 3..5 and 7 never came.
+        assert_eq!(missing(store.apply(&[w(6), w(8)], DEC).unwrap()), vec![(3, 5), (7, 7)]);
+        assert_eq!(missing(store.apply(&[w(4), w(9)], DEC).unwrap()), vec![(3, 3), (5, 5), (7, 7)]);
+        assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC).unwrap()), vec![]);
+        assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
+        assert_eq!(store.nodes().unwrap()[0].missing, 0);
     }
 
     #[test]

@@ -350,7 +350,19 @@ fn write_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
 pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
     let s = &u.stats;
     let spool = u.spool_gauges();
-    let rows: [(&str, &str, &str, u64); 9] = [
+    let rows: [(&str, &str, &str, u64); 11] = [
+        (
+            "postern_usage_windows_resent_total",
+            "counter",
+            "Usage windows sent again because the usage store never got them.",
+            s.resent.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_windows_unavailable_total",
+            "counter",
+            "Usage windows asked for again that the spool no longer held.",
+            s.resend_unavailable.load(Ordering::Relaxed),
+        ),
         (
             "postern_usage_windows_spooled_total",
             "counter",

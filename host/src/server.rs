@@ -752,7 +752,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Some(dir) => {
             let sink: Option<Box<dyn postern_usage::Sink>> = match &args.control {
                 Some(url) => Some(Box::new(
-                    postern_usage::HttpSink::new(url, &token, args.control_ca.as_deref())
+                    postern_usage::HttpSink::new(url, &token, args.control_ca.as_deref(), &node_id)
                         .context("the usage shipper")?,
                 )),
                 None => None,

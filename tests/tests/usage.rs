@@ -370,3 +370,47 @@ async fn a_full_spool_and_an_absent_control_plane_delay_usage_and_lose_none_of_i
     wait_for("the spool to recover", Duration::from_secs(5), async || spool_state(&node).await["spool"] == "ok").await;
     drop(node);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_usage_store_is_refilled_from_the_nodes_spools() {
+    let Fleet { _echo, repo, work, cp } = fleet();
+    let key = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
+    ctl(&cp, &["publish"]);
+    let node = start_node(&cp.url, &work.path().join("n0"), "node-0");
+    wait_for("the node to take the key", Duration::from_secs(10), async || {
+        call(&node, &key, 200).await == StatusCode::OK
+    })
+    .await;
+    let mut seen = 1;
+    for _ in 0..30 {
+        assert_eq!(call(&node, &key, 200).await, StatusCode::OK);
+        seen += 1;
+    }
+    wait_for("the first calls billed", Duration::from_secs(20), async || billed(&cp).get("k1") == Some(&seen)).await;
+
+    // The usage store is lost (a restore from an old backup would look the same): the
+    // next window's number shows the gap, and the node sends the windows again from its
+    // spool, which keeps acknowledged windows for re-sends.
+    let listen = cp.url.trim_start_matches("http://").to_owned();
+    drop(cp);
+    let store = work.path().join("store");
+    for f in ["usage.db", "usage.db-wal", "usage.db-shm"] {
+        let _ = std::fs::remove_file(store.join(f));
+    }
+    let cp = serve(repo.path(), store.to_str().unwrap(), &work.path().join("tokens.json"), &["--listen", &listen]);
+    assert_eq!(billed(&cp).get("k1"), None);
+    for _ in 0..20 {
+        assert_eq!(call(&node, &key, 200).await, StatusCode::OK);
+        seen += 1;
+    }
+    let t = Instant::now();
+    wait_for("every call billed again", Duration::from_secs(30), async || billed(&cp).get("k1") == Some(&seen)).await;
+    eprintln!("{seen} calls billed again {} ms after the last call", t.elapsed().as_millis());
+    let auth = format!("Bearer {PLATFORM_TOKEN}");
+    let nodes = get(&format!("{}/v1/usage/nodes", cp.url), &[("authorization", &auth)]).await.json();
+    assert_eq!(nodes["nodes"][0]["missing"].as_u64(), Some(0), "{nodes}");
+    let state = spool_state(&node).await;
+    assert!(state["resent"].as_u64() >= Some(1), "{state}");
+    assert_eq!(state["resend_unavailable"].as_u64(), Some(0), "{state}");
+    drop(node);
+}

@@ -156,6 +156,21 @@ pub struct UsageAck {
     pub applied: u64,
     /// Windows applied before (a re-send): nothing changed.
     pub duplicates: u64,
+    /// Sequence numbers of the batch's nodes the store never got, below the highest it
+    /// has: the node sends them again from its spool.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<Missing>,
+}
+
+/// A run of one node's sequence numbers the usage store lacks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Missing {
+    /// The node.
+    pub node: String,
+    /// The first missing number.
+    pub from: u64,
+    /// The last, inclusive.
+    pub to: u64,
 }
 
 /// `/v1/modules/<hex>`: a filter module by the hex of its SHA-256.

@@ -41,8 +41,9 @@ const BATCH_BYTES: u64 = 4 << 20;
 /// Where spooled windows go: the usage stream.
 pub trait Sink: Send {
     /// Delivers windows (`(seq, window JSON)`, in order); `Ok` only once every one is
-    /// acknowledged (applied or already applied).
-    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), String>;
+    /// acknowledged (applied or already applied), with the runs of this node's earlier
+    /// numbers the far side says it never got (inclusive), for a re-send.
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String>;
 }
 
 /// Counters shown in `/readyz` and `/metrics`.
@@ -56,6 +57,10 @@ pub struct Stats {
     pub shipped: AtomicU64,
     /// Failed sends.
     pub ship_errors: AtomicU64,
+    /// Windows sent again because the usage store never got them.
+    pub resent: AtomicU64,
+    /// Windows the usage store asked for again that the spool no longer holds.
+    pub resend_unavailable: AtomicU64,
     /// Closed windows waiting in memory for the spool.
     pub pending: AtomicU64,
     /// Windows rebuilt from a checkpoint after a crash.
@@ -330,11 +335,22 @@ impl Usage {
 
     fn ship_loop(&self, mut sink: Box<dyn Sink>) {
         let mut backoff = Duration::from_millis(250);
+        // Runs the store asked for again, and every run asked for in this process (each
+        // is sent again once: a run the spool no longer holds is reported, not retried).
+        let mut resend: VecDeque<(u64, u64)> = VecDeque::new();
+        let mut asked: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
         loop {
             let stopping = self.ship_stop.load(Ordering::Acquire);
+            let again = resend.front().copied();
             let batch = {
                 let spool = self.lock_spool();
-                spool.read(spool.acked() + 1, BATCH, BATCH_BYTES)
+                match again {
+                    Some((from, to)) => spool.read(from, BATCH, BATCH_BYTES).map(|mut b| {
+                        b.retain(|(seq, _)| *seq <= to);
+                        b
+                    }),
+                    None => spool.read(spool.acked() + 1, BATCH, BATCH_BYTES),
+                }
             };
             let batch = match batch {
                 Ok(b) => b,
@@ -343,6 +359,22 @@ impl Usage {
                     Vec::new()
                 }
             };
+            if let Some((from, to)) = again {
+                let first = batch.first().map_or(to + 1, |b| b.0);
+                if first > from {
+                    let gone = first.min(to + 1) - from;
+                    self.stats.resend_unavailable.fetch_add(gone, Ordering::Relaxed);
+                    tracing::error!(
+                        from,
+                        to = first.min(to + 1) - 1,
+                        "usage windows asked for again are no longer in the spool"
+                    );
+                }
+                if batch.is_empty() {
+                    resend.pop_front();
+                    continue;
+                }
+            }
             let Some(&(last, _)) = batch.last() else {
                 if stopping {
                     return;
@@ -351,12 +383,41 @@ impl Usage {
                 continue;
             };
             match sink.send(&batch) {
-                Ok(()) => {
+                Ok(missing) => {
                     backoff = Duration::from_millis(250);
-                    self.stats.shipped.fetch_add(batch.len() as u64, Ordering::Relaxed);
                     *self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                    if let Err(e) = self.lock_spool().ack(last) {
-                        tracing::error!(error = %e, "usage spool: cannot record the acknowledgement");
+                    match again {
+                        Some((_, to)) => {
+                            self.stats.resent.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                            tracing::info!(
+                                from = batch.first().map_or(last, |b| b.0),
+                                to = last,
+                                "usage windows sent again"
+                            );
+                            resend.pop_front();
+                            if last < to {
+                                resend.push_front((last + 1, to));
+                            }
+                        }
+                        None => {
+                            self.stats.shipped.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                            if let Err(e) = self.lock_spool().ack(last) {
+                                tracing::error!(error = %e, "usage spool: cannot record the acknowledgement");
+                            }
+                        }
+                    }
+                    let acked = self.lock_spool().acked();
+                    for (from, to) in missing {
+                        // Only what was acknowledged can be missing; each run once.
+                        let run = (from.max(1), to.min(acked));
+                        if run.0 <= run.1 && asked.insert(run) {
+                            tracing::warn!(
+                                from = run.0,
+                                to = run.1,
+                                "the usage store lacks windows: sending them again"
+                            );
+                            resend.push_back(run);
+                        }
                     }
                 }
                 Err(e) => {
@@ -437,6 +498,8 @@ impl Usage {
             "unacked": spool.unacked(),
             "spool_bytes": spool.bytes(),
             "pending": self.stats.pending.load(Ordering::Relaxed),
+            "resent": self.stats.resent.load(Ordering::Relaxed),
+            "resend_unavailable": self.stats.resend_unavailable.load(Ordering::Relaxed),
         })
     }
 }
@@ -454,11 +517,13 @@ pub struct HttpSink {
     client: postern_model::tls::ControlClient,
     url: String,
     token: String,
+    /// The node whose missing windows it asks for.
+    node: String,
 }
 
 impl HttpSink {
-    /// A sink to the control plane at `base` (`http(s)://host:port`).
-    pub fn new(base: &str, token: &str, ca: Option<&std::path::Path>) -> anyhow::Result<HttpSink> {
+    /// A sink to the control plane at `base` (`http(s)://host:port`) for `node`.
+    pub fn new(base: &str, token: &str, ca: Option<&std::path::Path>, node: &str) -> anyhow::Result<HttpSink> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let client = {
             let _enter = rt.enter();
@@ -469,6 +534,7 @@ impl HttpSink {
             client,
             url: format!("{}{}", base.trim_end_matches('/'), postern_model::protocol::USAGE_PATH),
             token: token.to_owned(),
+            node: node.to_owned(),
         })
     }
 }
@@ -489,7 +555,7 @@ pub fn batch_body(windows: &[(u64, Vec<u8>)]) -> Vec<u8> {
 }
 
 impl Sink for HttpSink {
-    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), String> {
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String> {
         let body = batch_body(windows);
         let req = http::Request::post(&self.url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
@@ -498,6 +564,7 @@ impl Sink for HttpSink {
             .map_err(|e| e.to_string())?;
         let client = self.client.clone();
         let url = self.url.clone();
+        let node = self.node.clone();
         self.rt.block_on(async move {
             let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
                 .await
@@ -507,7 +574,9 @@ impl Sink for HttpSink {
             let body =
                 http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
             if status.is_success() {
-                Ok(())
+                let ack: postern_model::protocol::UsageAck =
+                    serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
+                Ok(ack.missing.into_iter().filter(|m| m.node == node).map(|m| (m.from, m.to)).collect())
             } else {
                 Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()))
             }
