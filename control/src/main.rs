@@ -118,10 +118,14 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         usage_db: Option<PathBuf>,
     },
-    /// Usage per key, route and time, from the control plane's usage store.
+    /// Usage per key, route and time, from the control plane's usage store; `reconcile`
+    /// and `export` close a billing period.
+    #[command(args_conflicts_with_subcommands = true)]
     Usage {
+        #[command(subcommand)]
+        action: Option<UsageAction>,
         #[command(flatten)]
-        control: ControlArgs,
+        control: UsageControlArgs,
         /// One caller: an API key's id or an OAuth app's client_id.
         #[arg(long)]
         key: Option<String>,
@@ -185,6 +189,52 @@ enum SigningKeyCommand {
 }
 
 /// How to reach a serving control plane.
+/// `posternctl usage reconcile|export`.
+#[derive(Subcommand)]
+enum UsageAction {
+    /// Check a billing period (every node's windows, no number missing, the period over)
+    /// and mark it final; prints what keeps it from being final.
+    Reconcile {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// The period, YYYY-MM.
+        #[arg(long)]
+        period: String,
+    },
+    /// A final period's billing lines: one JSON line per caller and product.
+    Export {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// The period, YYYY-MM.
+        #[arg(long)]
+        period: String,
+    },
+}
+
+/// [`ControlArgs`] beside subcommands that bring their own: the token is checked when
+/// used, not by the parser.
+#[derive(Args)]
+struct UsageControlArgs {
+    /// Control plane URL.
+    #[arg(long, default_value = "http://127.0.0.1:9400")]
+    control: String,
+    /// Admin token (or POSTERN_TOKEN).
+    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
+    #[arg(long, env = "POSTERN_CONTROL_CA")]
+    control_ca: Option<PathBuf>,
+}
+
+impl UsageControlArgs {
+    fn required(self) -> anyhow::Result<ControlArgs> {
+        let Some(token) = self.token else {
+            anyhow::bail!("the control plane needs a token: --token or POSTERN_TOKEN");
+        };
+        Ok(ControlArgs { control: self.control, token, control_ca: self.control_ca })
+    }
+}
+
 #[derive(Args)]
 struct ControlArgs {
     /// Control plane URL.
@@ -799,10 +849,43 @@ fn main() -> ExitCode {
         }
         Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
         Command::Status { control } => report(call(&control, "GET", "/v1/status")),
-        Command::Usage { control, key, product, from, to, by, json } => {
-            report(usage(&control, key, product, from, to, &by, json))
+        Command::Usage { action: Some(UsageAction::Reconcile { control, period }), .. } => {
+            report(call(&control, "POST", &format!("/v1/usage/reconcile?period={period}")))
+        }
+        Command::Usage { action: Some(UsageAction::Export { control, period }), .. } => {
+            report(usage_export(&control, &period))
+        }
+        Command::Usage { action: None, control, key, product, from, to, by, json } => {
+            report(control.required().and_then(|control| usage(&control, key, product, from, to, &by, json)))
         }
     }
+}
+
+/// `GET <control><path>`: the answer's body, or an error with the control plane's reason.
+fn get_ok(control: &ControlArgs, path: &str) -> anyhow::Result<bytes::Bytes> {
+    let url = format!("{}{path}", control.control.trim_end_matches('/'));
+    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(
+        "GET",
+        &url,
+        &control.token,
+        control.control_ca.as_deref(),
+        None,
+    ))?;
+    if !status.is_success() {
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+        anyhow::bail!(
+            "control plane answered {status}: {}",
+            v["error"].as_str().unwrap_or(&String::from_utf8_lossy(&body))
+        );
+    }
+    Ok(body)
+}
+
+/// `posternctl usage export`: a final period's billing lines, as the control plane gives them.
+fn usage_export(control: &ControlArgs, period: &str) -> anyhow::Result<()> {
+    let body = get_ok(control, &format!("/v1/usage/export?period={period}"))?;
+    out!("{}", String::from_utf8_lossy(&body));
+    Ok(())
 }
 
 /// `posternctl usage`: the control plane's usage rows as a table.
@@ -821,20 +904,8 @@ fn usage(
             query.push_str(&format!("&{name}={}", posternctl::usage::query_escape(&v)));
         }
     }
-    let url = format!("{}{}?{query}", control.control.trim_end_matches('/'), postern_model::protocol::USAGE_PATH);
-    let (status, body) = runtime()?.block_on(posternctl::serve::request_with(
-        "GET",
-        &url,
-        &control.token,
-        control.control_ca.as_deref(),
-        None,
-    ))?;
+    let body = get_ok(control, &format!("{}?{query}", postern_model::protocol::USAGE_PATH))?;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
-    anyhow::ensure!(
-        status.is_success(),
-        "control plane answered {status}: {}",
-        v["error"].as_str().unwrap_or(&String::from_utf8_lossy(&body))
-    );
     if json {
         outln!("{}", serde_json::to_string_pretty(&v)?);
     } else {

@@ -429,6 +429,24 @@ impl Server {
             (Method::POST, ["v1", "usage"]) if is_node => self.usage_intake(role, req).await,
             (Method::GET, ["v1", "usage"]) if !is_node => self.usage_query(role.strip_prefix("team:"), &query).await,
             (Method::GET, ["v1", "usage", "totals"]) if role == "platform" => self.usage_totals(&query).await,
+            (Method::POST, ["v1", "usage", "reconcile"]) if role == "platform" => {
+                let Some(period) = param("period").filter(|p| postern_model::usage::parse_month(p).is_some()) else {
+                    return error(StatusCode::BAD_REQUEST, "reconcile needs ?period=YYYY-MM");
+                };
+                let now = postern_model::disk::unix_now();
+                self.usage_read(move |u| {
+                    Ok(u.reconcile(&period, now)?
+                        .map(|r| serde_json::to_value(r).unwrap_or_default())
+                        .unwrap_or_default())
+                })
+                .await
+            }
+            (Method::GET, ["v1", "usage", "export"]) if role == "platform" => {
+                let Some(period) = param("period") else {
+                    return error(StatusCode::BAD_REQUEST, "export needs ?period=YYYY-MM");
+                };
+                self.usage_export(period).await
+            }
             (Method::GET, ["v1", "usage", "nodes"]) if role == "platform" => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
             }
@@ -545,6 +563,30 @@ impl Server {
             }))
         })
         .await
+    }
+
+    /// `GET /v1/usage/export?period=YYYY-MM`: a final period's billing export, one JSON
+    /// line per caller and product; 409 while the period is not final.
+    async fn usage_export(&self, period: String) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        match tokio::task::spawn_blocking(move || store.export(&period)).await {
+            Ok(Ok(Ok(totals))) => {
+                let mut body = String::new();
+                for t in totals {
+                    body.push_str(&serde_json::to_string(&t).unwrap_or_default());
+                    body.push('\n');
+                }
+                let mut r = Response::new(Full::new(Bytes::from(body)));
+                r.headers_mut()
+                    .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/x-ndjson"));
+                r
+            }
+            Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
     }
 
     /// `GET /v1/usage/totals?period=YYYY-MM&key=`: billing totals (platform only).

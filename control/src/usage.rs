@@ -213,6 +213,8 @@ impl UsageStore {
              CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);
              CREATE TABLE IF NOT EXISTS contiguous (
                 node TEXT NOT NULL PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS periods (
+                period TEXT NOT NULL PRIMARY KEY, final_at INTEGER, late INTEGER NOT NULL) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS duplicates (
                 node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;"
         ))?;
@@ -238,6 +240,9 @@ impl UsageStore {
             let mut mark = tx.prepare_cached(
                 "INSERT INTO applied (node, seq, start, recovered, calls, received, raw)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+            )?;
+            let mut reopen = tx.prepare_cached(
+                "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
             )?;
             let mut total = tx.prepare_cached(
                 "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5)
@@ -291,6 +296,9 @@ impl UsageStore {
                 }
                 ack.applied += 1;
                 let (period, _, _) = month_period(w.start);
+                // A window of a period already final reopens it: the export waits for the
+                // next reconcile.
+                reopen.execute(params![period])?;
                 let minute_start = sql_int(w.start - w.start % 60);
                 for r in &w.rows {
                     let s = r.status.map(sql_int);
@@ -430,6 +438,94 @@ impl UsageStore {
         rows.collect()
     }
 
+    /// Reconciles billing period `period` (`YYYY-MM`) at Unix second `now`: the period
+    /// is final once it has ended (and [`CLOSE_GRACE_S`] passed), and every node that
+    /// counted calls in it has every window up to one past its end, with no number
+    /// missing. `None` for a period name that is not one.
+    pub fn reconcile(&self, period: &str, now: u64) -> rusqlite::Result<Option<Reconciled>> {
+        let Some((start, end)) = postern_model::usage::parse_month(period) else { return Ok(None) };
+        let mut conn = self.lock();
+        let tx = conn.transaction()?;
+        let mut blocking = Vec::new();
+        if now < end + CLOSE_GRACE_S {
+            blocking.push(format!(
+                "the period ends at {}; its last windows may arrive until {}",
+                rfc3339(end),
+                rfc3339(end + CLOSE_GRACE_S)
+            ));
+        }
+        let counted: Vec<(String, u64, u64)> = {
+            let mut stmt = tx.prepare_cached(
+                "SELECT node, COUNT(*), SUM(calls) FROM applied WHERE start >= ?1 AND start < ?2
+                 GROUP BY node ORDER BY node",
+            )?;
+            stmt.query_map(params![sql_int(start), sql_int(end)], |r| {
+                Ok((r.get(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get::<_, i64>(2)?.max(0) as u64))
+            })?
+            .collect::<rusqlite::Result<_>>()?
+        };
+        let mut nodes = Vec::with_capacity(counted.len());
+        for (node, windows, calls) in counted {
+            let (_, missing) = gaps(&tx, &node)?;
+            let last_start: i64 =
+                tx.query_row("SELECT MAX(start) FROM applied WHERE node = ?1", params![node], |r| r.get(0))?;
+            let last_start = last_start.max(0) as u64;
+            if !missing.is_empty() {
+                let runs: Vec<String> = missing.iter().map(|m| format!("{}..{}", m.from, m.to)).collect();
+                blocking.push(format!("node {node} lacks windows {} (it is asked for them)", runs.join(", ")));
+            }
+            if last_start < end {
+                blocking.push(format!(
+                    "node {node} has sent nothing since {}: its last windows of the period may still come",
+                    rfc3339(last_start + postern_model::usage::WINDOW_S)
+                ));
+            }
+            nodes.push(PeriodNode { node, windows, calls, missing, last_window: rfc3339(last_start) });
+        }
+        let (callers, billable): (i64, i64) = tx.query_row(
+            "SELECT COUNT(*), COALESCE(SUM(billable), 0) FROM totals WHERE period = ?1",
+            params![period],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        let late: i64 = tx
+            .query_row("SELECT late FROM periods WHERE period = ?1", params![period], |r| r.get(0))
+            .optional()?
+            .unwrap_or(0);
+        let final_at = blocking.is_empty().then_some(now);
+        tx.execute(
+            "INSERT INTO periods (period, final_at, late) VALUES (?1, ?2, 0)
+             ON CONFLICT DO UPDATE SET final_at = excluded.final_at",
+            params![period, final_at.map(sql_int)],
+        )?;
+        tx.commit()?;
+        Ok(Some(Reconciled {
+            period: period.to_owned(),
+            is_final: final_at.is_some(),
+            final_at: final_at.map(rfc3339),
+            blocking,
+            nodes,
+            callers: callers.max(0) as u64,
+            billable: billable.max(0) as u64,
+            late_windows: late.max(0) as u64,
+        }))
+    }
+
+    /// The billing export of a final period: one total per caller and product. `Err`
+    /// with the reason while the period is not final.
+    pub fn export(&self, period: &str) -> rusqlite::Result<Result<Vec<Total>, String>> {
+        let final_at: Option<Option<i64>> = self
+            .lock()
+            .query_row("SELECT final_at FROM periods WHERE period = ?1", params![period], |r| r.get(0))
+            .optional()?;
+        match final_at {
+            Some(Some(_)) => self.totals(period, None).map(Ok),
+            Some(None) => Ok(Err(format!(
+                "period {period} is not final: windows arrived after its last reconcile, or it did not pass; reconcile it"
+            ))),
+            None => Ok(Err(format!("period {period} was never reconciled"))),
+        }
+    }
+
     /// A window as applied, by (node, seq).
     pub fn window(&self, node: &str, seq: u64) -> rusqlite::Result<Option<Vec<u8>>> {
         let conn = self.lock();
@@ -440,18 +536,71 @@ impl UsageStore {
     }
 }
 
+/// How long after a period's end its last windows may still be on their way (nodes close
+/// a window 250 ms after its end and send it at once; a node that is down delays it, and
+/// the reconcile says which).
+pub const CLOSE_GRACE_S: u64 = 60;
+
+/// What a reconcile found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Reconciled {
+    /// `YYYY-MM`.
+    pub period: String,
+    /// Whether the period is final: its export is billable.
+    #[serde(rename = "final")]
+    pub is_final: bool,
+    /// When it was marked final.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_at: Option<String>,
+    /// What keeps it from being final.
+    pub blocking: Vec<String>,
+    /// Every node that counted calls in it.
+    pub nodes: Vec<PeriodNode>,
+    /// Callers (key or app, and product) with calls in it.
+    pub callers: u64,
+    /// Billable calls in it.
+    pub billable: u64,
+    /// Windows that arrived after it was final (each reopened it).
+    pub late_windows: u64,
+}
+
+/// One node's part of a period.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeriodNode {
+    /// The node.
+    pub node: String,
+    /// Its windows in the period.
+    pub windows: u64,
+    /// Calls in them.
+    pub calls: u64,
+    /// Its sequence numbers the store lacks.
+    pub missing: Vec<Missing>,
+    /// The start of its newest window (any period).
+    pub last_window: String,
+}
+
 /// Ranges asked for again in one answer at most.
 const MISSING_RANGES: usize = 64;
 
 /// Moves `node`'s contiguous mark (every number up to it applied) past the numbers now
 /// applied, and returns the gaps above it, below the highest number applied.
 fn advance(tx: &rusqlite::Transaction<'_>, node: &str) -> rusqlite::Result<Vec<Missing>> {
-    let mut mark: u64 = tx
+    let (mark, missing) = gaps(tx, node)?;
+    tx.execute(
+        "INSERT INTO contiguous (node, seq) VALUES (?1, ?2) ON CONFLICT DO UPDATE SET seq = excluded.seq",
+        params![node, sql_int(mark)],
+    )?;
+    Ok(missing)
+}
+
+/// `node`'s contiguous mark as the applied numbers have it now, and the gaps above it.
+fn gaps(conn: &Connection, node: &str) -> rusqlite::Result<(u64, Vec<Missing>)> {
+    let mut mark: u64 = conn
         .query_row("SELECT seq FROM contiguous WHERE node = ?1", params![node], |r| r.get::<_, i64>(0))
         .optional()?
         .map_or(0, |n| n.max(0) as u64);
     let mut stmt =
-        tx.prepare_cached("SELECT seq FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq LIMIT 100000")?;
+        conn.prepare_cached("SELECT seq FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq LIMIT 100000")?;
     let above: Vec<u64> = stmt
         .query_map(params![node, sql_int(mark)], |r| r.get::<_, i64>(0))?
         .map(|s| s.map(|n| n.max(0) as u64))
@@ -466,11 +615,7 @@ fn advance(tx: &rusqlite::Transaction<'_>, node: &str) -> rusqlite::Result<Vec<M
         }
         prev = seq;
     }
-    tx.execute(
-        "INSERT INTO contiguous (node, seq) VALUES (?1, ?2) ON CONFLICT DO UPDATE SET seq = excluded.seq",
-        params![node, sql_int(mark)],
-    )?;
-    Ok(missing)
+    Ok((mark, missing))
 }
 
 /// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
@@ -687,6 +832,42 @@ mod tests {
         assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC).unwrap()), vec![]);
         assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
         assert_eq!(store.nodes().unwrap()[0].missing, 0);
+    }
+
+    #[test]
+    fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
+        let after = DEC + CLOSE_GRACE_S;
+        store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC).unwrap();
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("lacks windows 2..2"), "{r:?}");
+        assert!(store.export("2026-11").unwrap().is_err());
+        store.apply(&[w(2, DEC - 10)], DEC).unwrap();
+        // Not before the period's end and its grace.
+        assert!(!store.reconcile("2026-11", after - 1).unwrap().unwrap().is_final);
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert!(r.is_final, "{r:?}");
+        assert_eq!((r.billable, r.callers, r.nodes[0].windows, r.nodes[0].calls), (4, 1, 2, 6));
+        let export = store.export("2026-11").unwrap().unwrap();
+        assert_eq!((export.len(), export[0].billable, export[0].status.s4), (1, 4, 2));
+        // December is still open.
+        assert!(!store.reconcile("2026-12", after).unwrap().unwrap().is_final);
+        // A node whose newest window is inside the period may still send more.
+        let b = window("b", 1, DEC - 30, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)]);
+        store.apply(&[b], DEC).unwrap();
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("node b has sent nothing since")), "{r:?}");
+        store.apply(&[window("b", 2, DEC + 20, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)])], DEC).unwrap();
+        assert!(store.reconcile("2026-11", after).unwrap().unwrap().is_final);
+        // A November window after that reopens November until the next reconcile.
+        store.apply(&[w(4, DEC - 10)], DEC).unwrap();
+        assert!(store.export("2026-11").unwrap().unwrap_err().contains("not final"));
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        // Two late windows: node b's first (after November was final) and this one.
+        assert_eq!((r.is_final, r.late_windows, r.billable), (true, 2, 7));
+        assert_eq!(store.reconcile("2026-13", after).unwrap().map(|r| r.period), None);
     }
 
     #[test]

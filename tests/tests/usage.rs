@@ -414,3 +414,68 @@ async fn a_lost_usage_store_is_refilled_from_the_nodes_spools() {
     assert_eq!(state["resend_unavailable"].as_u64(), Some(0), "{state}");
     drop(node);
 }
+
+/// A window of node `node-x` in JSON, as a node sends it: one row for key `k9`.
+fn window_json(seq: u64, start: u64, ok: u64) -> serde_json::Value {
+    let mut latency = vec![0u64; postern_model::usage::LATENCY_BUCKETS];
+    latency[0] = ok + 1;
+    serde_json::json!({
+        "node": "node-x", "seq": seq, "start": start,
+        "rows": [{"caller": "k9", "kind": "key", "product": "search", "route": "t/search",
+                  "status": [0, ok, 0, 1, 0], "latency": latency, "latency_us": 500 * (ok + 1)}],
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
+    let Fleet { _echo, repo: _repo, work: _work, cp } = fleet();
+    // 2026-12-01T00:00:00Z: the end of November.
+    const DEC: u64 = 1_796_083_200;
+    let batch = |windows: Vec<serde_json::Value>| serde_json::json!({ "windows": windows }).to_string();
+    let (status, ack) =
+        post_usage(&cp, Some(NODE_TOKEN), batch(vec![window_json(1, DEC - 20, 4), window_json(3, DEC + 10, 1)])).await;
+    assert_eq!(status, StatusCode::OK, "{ack}");
+    assert_eq!(ack["missing"], serde_json::json!([{"node": "node-x", "from": 2, "to": 2}]), "{ack}");
+
+    let usage = |args: &[&str]| {
+        Command::new(bin("posternctl"))
+            .arg("usage")
+            .args(args)
+            .args(["--control", &cp.url, "--token", PLATFORM_TOKEN])
+            .output()
+            .unwrap()
+    };
+    let json_of = |out: &std::process::Output| -> serde_json::Value {
+        let text = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(text.find('{').map_or("null", |i| &text[i..])).unwrap_or_default()
+    };
+    let out = usage(&["reconcile", "--period", "2026-11"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = json_of(&out);
+    assert_eq!(report["final"], false, "{report}");
+    assert!(report["blocking"].to_string().contains("node node-x lacks windows 2..2"), "{report}");
+    let out = usage(&["export", "--period", "2026-11"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not final"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The missing window comes (a node sends it when asked): November is complete.
+    let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![window_json(2, DEC - 10, 5)])).await;
+    assert_eq!((status, ack["applied"].as_u64()), (StatusCode::OK, Some(1)), "{ack}");
+    let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
+    assert_eq!(report["final"], true, "{report}");
+    assert_eq!((report["billable"].as_u64(), report["nodes"][0]["windows"].as_u64()), (Some(9), Some(2)), "{report}");
+    let out = usage(&["export", "--period", "2026-11"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!((lines[0]["caller"].as_str(), lines[0]["product"].as_str()), (Some("k9"), Some("search")));
+    assert_eq!((lines[0]["billable"].as_u64(), lines[0]["status"]["4xx"].as_u64()), (Some(9), Some(2)));
+    // December has not ended; a team may not close periods.
+    assert_eq!(json_of(&usage(&["reconcile", "--period", "2026-12"]))["final"], false);
+    let auth = format!("Bearer {TEAM_T_TOKEN}");
+    let r =
+        send(Method::POST, &format!("{}/v1/usage/reconcile?period=2026-11", cp.url), &[("authorization", &auth)], "")
+            .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+}
