@@ -597,6 +597,7 @@ mod tests {
                 rate_limit: Some(Rate { rps: 10, burst: 10 }),
                 app_rate_limit: None,
                 fail_closed: true,
+                quota: None,
             },
         )]
         .into();

@@ -213,6 +213,14 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                     cx.error(&plans_path, format!("plans.{name}.{sub}"), "rps and burst are 1 to 1e9", None);
                 }
             }
+            if let Some(q) = &plan.quota {
+                if q.monthly == 0 {
+                    cx.error(&plans_path, format!("plans.{name}.quota.monthly"), "give at least 1 call", None);
+                }
+                if let Err(e) = q.anchor() {
+                    cx.error(&plans_path, format!("plans.{name}.quota.anchor"), e, None);
+                }
+            }
             for (i, p) in plan.products.iter().enumerate() {
                 if !doc.products.contains(p) {
                     let msg = format!("unknown product {p:?} (products are listed under products:)");
@@ -363,6 +371,9 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                             rate_limit: rate(&p.rate_limit),
                             app_rate_limit: rate(&p.app_rate_limit),
                             fail_closed: p.on_sync_loss == crate::config::SyncLossDoc::Closed,
+                            quota: p.quota.as_ref().and_then(|q| {
+                                Some(postern_model::Quota { calls: q.monthly, mode: q.mode, anchor: q.anchor().ok()? })
+                            }),
                         };
                         (k.clone(), plan)
                     })
@@ -964,6 +975,32 @@ mod tests {
         assert!(e.contains("routes[0].rateLimit: rate limits need an authenticated route"), "{e}");
         let e = error_of(&authed("    auth: { methods: [jwt], product: orders }\n    rateLimit: { cost: 0 }\n"));
         assert!(e.contains("routes[0].rateLimit.cost: cost is 1 to 1000"), "{e}");
+    }
+
+    #[test]
+    fn plan_quotas_are_parsed_and_bad_ones_named() {
+        let with_plans = |plans: &str| {
+            let dir = repo_t(&route("    match: { path: { value: /t/o } }\n"));
+            std::fs::write(dir.path().join("platform/plans.yaml"), plans).unwrap();
+            compile(dir.path()).map(|c| c.snapshot).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())
+        };
+        let plans = "products: [search]\nplans:\n  a: { products: [search], quota: { monthly: 1000, mode: hard } }\n  b: { products: [search], quota: { monthly: 5, mode: overage, anchor: day-15 } }\n  c: { products: [search], quota: { monthly: 5, mode: hard, anchor: every-60s } }\n";
+        let s = with_plans(plans).unwrap();
+        use postern_model::usage::Anchor;
+        let q = |p: &str| s.plans[p].quota.unwrap();
+        assert_eq!(
+            (q("a").calls, q("a").mode, q("a").anchor),
+            (1000, postern_model::QuotaMode::Hard, Anchor::UtcMonth)
+        );
+        assert_eq!((q("b").mode, q("b").anchor), (postern_model::QuotaMode::Overage, Anchor::BillingDay(15)));
+        assert_eq!(q("c").anchor, Anchor::EverySeconds(60));
+        let e = with_plans("products: [search]\nplans:\n  a: { products: [search], quota: { monthly: 0, mode: hard, anchor: day-31 } }\n").unwrap_err();
+        assert!(e.iter().any(|e| e.contains("plans.a.quota.monthly")), "{e:?}");
+        assert!(e.iter().any(|e| e.contains("plans.a.quota.anchor") && e.contains("1 to 28")), "{e:?}");
+        let e =
+            with_plans("products: [search]\nplans:\n  a: { products: [search], quota: { monthly: 9, mode: soft } }\n")
+                .unwrap_err();
+        assert!(e.iter().any(|e| e.contains("plans.a")), "{e:?}");
     }
 
     fn route(body: &str) -> String {

@@ -360,6 +360,43 @@ pub struct PlanDoc {
     /// node goes on with its last share) or `closed` (refuse with 503).
     #[serde(default)]
     pub on_sync_loss: SyncLossDoc,
+    /// Calls per period, per caller and product.
+    #[serde(default)]
+    pub quota: Option<QuotaDoc>,
+}
+
+/// `quota` of a plan: `{ monthly: N, mode: hard | overage, anchor: … }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaDoc {
+    /// Billable calls per period.
+    pub monthly: u64,
+    /// `hard` (refuse past it) or `overage` (bill past it).
+    pub mode: postern_model::QuotaMode,
+    /// `utc-month` (the default), `day-N` (a month from billing day N, 1 to 28), or
+    /// `every-<duration>` (fixed periods, e.g. `every-60s`, for trials and tests).
+    #[serde(default)]
+    pub anchor: Option<String>,
+}
+
+impl QuotaDoc {
+    /// The anchor, parsed and checked.
+    pub fn anchor(&self) -> Result<postern_model::usage::Anchor, String> {
+        use postern_model::usage::Anchor;
+        let a = match self.anchor.as_deref().unwrap_or("utc-month") {
+            "utc-month" => Anchor::UtcMonth,
+            s if s.starts_with("day-") => {
+                Anchor::BillingDay(s[4..].parse().map_err(|_| format!("{s:?}: day-N takes a day 1 to 28"))?)
+            }
+            s if s.starts_with("every-") => {
+                let d = crate::keys::parse_duration(&s[6..]).map_err(|e| format!("{s:?}: {e}"))?;
+                Anchor::EverySeconds(d.as_secs())
+            }
+            s => return Err(format!("{s:?}: give utc-month, day-N or every-<duration>")),
+        };
+        a.check()?;
+        Ok(a)
+    }
 }
 
 /// `onSyncLoss` of a plan.

@@ -231,6 +231,7 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
         apps: auth.apps,
         keys: keys.into_iter().map(|(_, k)| k).collect(),
         deny,
+        over_quota: Vec::new(),
     };
     match crate::engines::check_credentials(&creds, unix_now()) {
         Ok(()) => Ok(creds),
@@ -269,20 +270,7 @@ mod tests {
     use super::*;
 
     fn plans(names: &[&str]) -> BTreeMap<String, Plan> {
-        names
-            .iter()
-            .map(|n| {
-                (
-                    (*n).to_owned(),
-                    Plan {
-                        products: vec!["orders".into()],
-                        rate_limit: None,
-                        app_rate_limit: None,
-                        fail_closed: false,
-                    },
-                )
-            })
-            .collect()
+        names.iter().map(|n| ((*n).to_owned(), Plan::of_products(&["orders"]))).collect()
     }
 
     fn key_line(id: &str, plan: &str) -> String {

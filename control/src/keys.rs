@@ -688,7 +688,13 @@ mod tests {
         new_key(dir.path(), &spec("key1")).unwrap();
         let plans = [(
             "gold".to_owned(),
-            postern_model::Plan { products: vec![], rate_limit: None, app_rate_limit: None, fail_closed: false },
+            postern_model::Plan {
+                products: vec![],
+                rate_limit: None,
+                app_rate_limit: None,
+                fail_closed: false,
+                quota: None,
+            },
         )]
         .into_iter()
         .collect();

@@ -117,6 +117,10 @@ enum Command {
         /// answers 503 and nodes keep their windows spooled).
         #[arg(long, value_name = "FILE")]
         usage_db: Option<PathBuf>,
+        /// Post quota events (a caller passed 80 % or 100 % of its plan's quota) to this
+        /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer).
+        #[arg(long, value_name = "URL")]
+        quota_webhook: Option<String>,
     },
     /// Usage per key, route and time, from the control plane's usage store; `reconcile`
     /// and `export` close a billing period.
@@ -827,6 +831,7 @@ fn main() -> ExitCode {
             tls_key,
             publish_dir,
             usage_db,
+            quota_webhook,
         } => {
             let rollout = posternctl::rollout::RolloutSettings {
                 dwell,
@@ -839,8 +844,16 @@ fn main() -> ExitCode {
             let tls = tls_cert.zip(tls_key);
             let usage_db = usage_db
                 .or_else(|| (!posternctl::store::is_postgres(&store)).then(|| Path::new(&store).join("usage.db")));
-            let settings =
-                posternctl::serve::ServeSettings { repo, listen, tokens, rollout, tls, publish_dir, usage_db };
+            let settings = posternctl::serve::ServeSettings {
+                repo,
+                listen,
+                tokens,
+                rollout,
+                tls,
+                publish_dir,
+                usage_db,
+                quota_webhook,
+            };
             report(serve(settings, &store, signing_key.as_deref()))
         }
         Command::SigningKey { command } => report(signing_key(command)),

@@ -42,6 +42,8 @@ use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
 use crate::store::{Change, Lane, Store, Version};
 use crate::usage::{ApplyError, By, Query, UsageStore};
 
+mod quota;
+
 /// A node counts as live while it polled within this long.
 const LIVE_FOR: Duration = Duration::from_secs(60);
 /// A node not heard from for this long is dropped from the maps (status, reports).
@@ -88,6 +90,8 @@ pub struct ServeSettings {
     pub publish_dir: Option<PathBuf>,
     /// The usage store nodes' windows are applied to (none: the intake answers 503).
     pub usage_db: Option<PathBuf>,
+    /// Where quota events (80 % and 100 % of a quota) are posted.
+    pub quota_webhook: Option<String>,
 }
 
 /// One admin token.
@@ -143,6 +147,8 @@ struct Server {
     publish_dir: Option<PathBuf>,
     /// See [`ServeSettings::usage_db`].
     usage: Option<Arc<UsageStore>>,
+    /// Quotas, over-quota flags and quota events.
+    quota: quota::QuotaService,
 }
 
 /// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
@@ -231,6 +237,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         reports: Mutex::new(BTreeMap::new()),
         deltas: Mutex::new(std::collections::VecDeque::new()),
         publish_dir: settings.publish_dir,
+        quota: quota::QuotaService::new(settings.quota_webhook),
     });
     let tls = match &settings.tls {
         Some((cert, key)) => {
@@ -250,6 +257,12 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     {
         let server = server.clone();
         tokio::spawn(async move { server.drive_rollouts().await });
+    }
+    if server.usage.is_some() {
+        tokio::spawn(server.clone().flag_loop());
+        if let Some(url) = server.quota.webhook.clone() {
+            tokio::spawn(server.clone().webhook_loop(url));
+        }
     }
     // Bounded: open connections (every node holds two long polls), the time a request
     // head may take, the wait between requests on a kept-alive connection (both the
@@ -447,6 +460,14 @@ impl Server {
                 };
                 self.usage_export(period).await
             }
+            (Method::GET, ["v1", "usage", "events"]) if role == "platform" => {
+                let after = param("after").and_then(|v| v.parse().ok()).unwrap_or(0u64);
+                self.usage_read(move |u| u.events(after, 1000, None).map(|e| serde_json::json!({ "events": e }))).await
+            }
+            (Method::GET, ["v1", "usage", "flags"]) if role == "platform" => {
+                let now = postern_model::disk::unix_now();
+                self.usage_read(move |u| u.live_flags(now).map(|f| serde_json::json!({ "over_quota": f }))).await
+            }
             (Method::GET, ["v1", "usage", "nodes"]) if role == "platform" => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
             }
@@ -500,10 +521,17 @@ impl Server {
                 return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));
             }
         }
+        let quotas = match self.quotas().await {
+            Ok(q) => q,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("quotas: {e}")),
+        };
         let now = postern_model::disk::unix_now();
-        let applied = tokio::task::spawn_blocking(move || store.apply(&batch.windows, now)).await;
+        let applied = tokio::task::spawn_blocking(move || store.apply(&batch.windows, now, &quotas)).await;
         match applied {
-            Ok(Ok(ack)) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
+            Ok(Ok(ack)) => {
+                self.quota.wake.notify_one();
+                json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default())
+            }
             Ok(Err(e @ ApplyError::Conflict { .. })) => {
                 eprintln!("posternctl serve: {e}");
                 error(StatusCode::CONFLICT, e.to_string())
@@ -907,7 +935,15 @@ impl Server {
     async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration) -> Response<Body> {
         let one = self.publishing.lock().await;
         let repo = self.repo.clone();
-        let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo)).await;
+        // Over-quota flags are the quota service's: the credentials compiled keep the head's.
+        let flags = match self.store.head(Lane::Credentials).await {
+            Ok(head) => head
+                .and_then(|v| postern_model::credentials::Credentials::open(&v.bytes).ok())
+                .map(|(_, c)| c.over_quota)
+                .unwrap_or_default(),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo, flags)).await;
         let Publishable { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
             Ok(Ok(c)) => c,
             Ok(Err(errors)) => {
@@ -1071,7 +1107,12 @@ impl Server {
             }
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
-        let mut answer = applied.answer;
+        // Over-quota flags are the quota service's: the change keeps the head's.
+        let was =
+            base.as_ref().and_then(|b| postern_model::credentials::Credentials::open(&b.bytes).ok()).map(|(_, c)| c);
+        let mut applied = applied;
+        let mut answer = std::mem::take(&mut applied.answer);
+        applied.credentials.over_quota = was.as_ref().map(|c| c.over_quota.clone()).unwrap_or_default();
         let content = match serde_json::value::to_raw_value(&applied.credentials) {
             Ok(c) => c,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -1081,37 +1122,15 @@ impl Server {
             Ok(v) => v,
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
-        if changed && let Some(base) = base {
+        if changed && let (Some(base), Some(was)) = (base, was) {
             let delta = postern_model::credentials::CredentialsDelta {
                 base: base.number,
                 version: v.number,
                 keys: applied.keys,
                 deny: applied.deny,
+                over_quota: Vec::new(),
             };
-            let doc = match postern_model::credentials::DeltaDoc::new(delta, self.store.signer()) {
-                Ok(doc) => doc,
-                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-            };
-            // A delta is offered only when it makes exactly the whole version: taken
-            // against the version it was computed from (no other publish in between, from
-            // this instance or another), and carrying every difference (a change to
-            // auth.yaml in the repository, say, is not in it: nodes then get the whole
-            // version).
-            let exact = v.number == base.number + 1
-                && postern_model::credentials::Credentials::open(&base.bytes)
-                    .is_ok_and(|(_, was)| was.with_delta(&doc.delta).same_state(&applied.credentials));
-            if !exact {
-                eprintln!(
-                    "posternctl serve: credentials v{} goes whole (not as a delta of v{})",
-                    v.number, base.number
-                );
-            }
-            if exact && let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
-                deltas.push_back((base.number, v.number, Bytes::from(bytes)));
-                if deltas.len() > DELTAS_KEPT {
-                    deltas.pop_front();
-                }
-            }
+            self.offer_delta(&base, &v, delta, &was, &applied.credentials);
         }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);
@@ -1202,10 +1221,14 @@ struct Publishable {
 }
 
 /// Compiles the repository's snapshot and credential state, with the modules it names.
-fn compile_repo(repo: &std::path::Path) -> Result<Publishable, Vec<String>> {
+fn compile_repo(
+    repo: &std::path::Path,
+    flags: Vec<postern_model::credentials::QuotaFlag>,
+) -> Result<Publishable, Vec<String>> {
     let compiled =
         crate::compile::compile(repo).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())?;
-    let creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
+    let mut creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
+    creds.over_quota = flags;
     let mut modules = Vec::new();
     for (digest, src) in &compiled.modules {
         let bytes = std::fs::read(src).map_err(|e| vec![format!("{}: {e}", src.display())])?;

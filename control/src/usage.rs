@@ -13,11 +13,14 @@
 //! with no server to run; the directory store gives atomic renames of whole files, not
 //! a counter and its dedupe key in one commit.
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use postern_model::credentials::{Credentials, QuotaFlag};
 use postern_model::protocol::{Missing, UsageAck};
-use postern_model::usage::{LATENCY_BUCKETS, Window, month_period, quantile_ms};
+use postern_model::usage::{CallerKind, LATENCY_BUCKETS, Window, month_period, quantile_ms};
+use postern_model::{Plan, Quota, QuotaMode};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 
@@ -157,8 +160,11 @@ pub struct Total {
     pub product: String,
     /// `YYYY-MM`.
     pub period: String,
-    /// Calls answered 2xx or 3xx.
+    /// Calls answered 2xx or 3xx, but for overshoot: what is billed.
     pub billable: u64,
+    /// Calls answered 2xx or 3xx past a hard quota, admitted before its flag reached
+    /// the nodes: counted, not billed.
+    pub overshoot: u64,
     /// Every answered call.
     pub calls: u64,
     /// Calls by status class.
@@ -182,6 +188,78 @@ pub struct NodeWindows {
     pub duplicates: u64,
 }
 
+/// Who is on which quota: each plan's quota and the plan of every API key and OAuth app,
+/// from the published snapshot and credentials.
+#[derive(Debug, Default, Clone)]
+pub struct Quotas {
+    plans: HashMap<String, Quota>,
+    keys: HashMap<String, String>,
+    apps: HashMap<String, String>,
+}
+
+impl Quotas {
+    /// The quotas of `plans`, for the callers of `creds` on a plan that has one.
+    pub fn new(plans: &BTreeMap<String, Plan>, creds: &Credentials) -> Quotas {
+        let plans: HashMap<String, Quota> =
+            plans.iter().filter_map(|(name, p)| Some((name.clone(), p.quota?))).collect();
+        if plans.is_empty() {
+            return Quotas::default();
+        }
+        let keys =
+            creds.keys.iter().filter(|k| plans.contains_key(&k.plan)).map(|k| (k.id.clone(), k.plan.clone())).collect();
+        let apps = creds
+            .apps
+            .iter()
+            .filter(|(_, a)| plans.contains_key(&a.plan))
+            .map(|(id, a)| (id.clone(), a.plan.clone()))
+            .collect();
+        Quotas { plans, keys, apps }
+    }
+
+    /// The quota `caller` is on, if any.
+    pub fn of(&self, kind: CallerKind, caller: &str) -> Option<Quota> {
+        let plans = match kind {
+            CallerKind::Key => &self.keys,
+            CallerKind::App => &self.apps,
+        };
+        self.plans.get(plans.get(caller)?).copied()
+    }
+}
+
+/// A warning the quota service raised: a caller passed 80 % or 100 % of its quota.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct QuotaEvent {
+    /// Its number, in the order raised.
+    pub id: u64,
+    /// `quota.warning` (80 %) or `quota.exhausted` (100 %).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// When the window that crossed was applied (RFC 3339).
+    pub at: String,
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// `key` or `app`.
+    pub caller_kind: String,
+    /// The product.
+    pub product: String,
+    /// The period's bounds (RFC 3339).
+    pub period_start: String,
+    /// End (exclusive).
+    pub period_end: String,
+    /// 80 or 100.
+    pub percent: u64,
+    /// Calls used when it was raised.
+    pub used: u64,
+    /// The quota.
+    pub quota: u64,
+    /// `hard` or `overage`.
+    pub mode: String,
+    /// Whether the webhook took it.
+    pub delivered: bool,
+    /// Deliveries tried.
+    pub attempts: u64,
+}
+
 fn hist_cols(prefix: &str) -> String {
     (0..LATENCY_BUCKETS).map(|i| format!("{prefix}h{i}")).collect::<Vec<_>>().join(", ")
 }
@@ -202,7 +280,7 @@ impl UsageStore {
              CREATE TABLE IF NOT EXISTS totals (
                 caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, period TEXT NOT NULL,
                 billable INTEGER NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
-                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL,
+                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL, overshoot INTEGER NOT NULL DEFAULT 0,
                 PRIMARY KEY (caller, kind, product, period)) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS minutes (
                 caller TEXT NOT NULL, kind TEXT NOT NULL, route TEXT NOT NULL, product TEXT NOT NULL,
@@ -216,8 +294,29 @@ impl UsageStore {
              CREATE TABLE IF NOT EXISTS periods (
                 period TEXT NOT NULL PRIMARY KEY, final_at INTEGER, late INTEGER NOT NULL) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS duplicates (
-                node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;"
+                node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS quota_use (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL,
+                period_start INTEGER NOT NULL, period_end INTEGER NOT NULL, used INTEGER NOT NULL,
+                PRIMARY KEY (caller, kind, product, period_start)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS quota_events (
+                id INTEGER PRIMARY KEY AUTOINCREMENT, at INTEGER NOT NULL,
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL,
+                period_start INTEGER NOT NULL, period_end INTEGER NOT NULL, percent INTEGER NOT NULL,
+                used INTEGER NOT NULL, quota INTEGER NOT NULL, mode TEXT NOT NULL,
+                delivered INTEGER NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0,
+                next_try INTEGER NOT NULL DEFAULT 0,
+                UNIQUE (caller, kind, product, period_start, percent));
+             CREATE TABLE IF NOT EXISTS over_quota (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, until INTEGER NOT NULL,
+                quota INTEGER NOT NULL, period_s INTEGER NOT NULL, since INTEGER NOT NULL,
+                PRIMARY KEY (caller, kind, product, until)) WITHOUT ROWID;"
         ))?;
+        // `overshoot` came with quotas: a store made before them gains the column.
+        let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();
+        if !has_overshoot {
+            conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
+        }
         Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
     }
 
@@ -232,7 +331,12 @@ impl UsageStore {
 
     /// Applies checked windows in one transaction: each is added once, a window already
     /// applied is counted as a duplicate and changes nothing. `now` is Unix seconds.
-    pub fn apply(&self, windows: &[Window], now: u64) -> Result<UsageAck, ApplyError> {
+    ///
+    /// The billable calls of a caller on a quota are added to its period's use in the
+    /// same transaction: passing 80 % and 100 % raises an event, and on a hard quota
+    /// 100 % raises an over-quota flag until the period's end; the calls past a hard
+    /// quota (admitted before the flag reached the nodes) are overshoot, not billed.
+    pub fn apply(&self, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
         let mut conn = self.lock();
         let tx = conn.transaction()?;
         let mut ack = UsageAck::default();
@@ -245,11 +349,11 @@ impl UsageStore {
                 "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
             )?;
             let mut total = tx.prepare_cached(
-                "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
                  ON CONFLICT DO UPDATE SET billable = billable + excluded.billable,
                    s1 = s1 + excluded.s1, s2 = s2 + excluded.s2, s3 = s3 + excluded.s3,
-                   s4 = s4 + excluded.s4, s5 = s5 + excluded.s5",
+                   s4 = s4 + excluded.s4, s5 = s5 + excluded.s5, overshoot = overshoot + excluded.overshoot",
             )?;
             let cols = hist_cols("");
             let marks = (12..12 + LATENCY_BUCKETS).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ");
@@ -302,17 +406,23 @@ impl UsageStore {
                 let minute_start = sql_int(w.start - w.start % 60);
                 for r in &w.rows {
                     let s = r.status.map(sql_int);
+                    let billable = r.billable();
+                    let overshoot = match quotas.of(r.kind, &r.caller) {
+                        Some(q) if billable > 0 => use_quota(&tx, r, q, w.start, billable, now)?,
+                        _ => 0,
+                    };
                     total.execute(params![
                         r.caller,
                         r.kind.as_str(),
                         r.product,
                         period,
-                        sql_int(r.billable()),
+                        sql_int(billable - overshoot),
                         s[0],
                         s[1],
                         s[2],
                         s[3],
-                        s[4]
+                        s[4],
+                        sql_int(overshoot)
                     ])?;
                     let mut values: Vec<Box<dyn rusqlite::ToSql>> = vec![
                         Box::new(r.caller.clone()),
@@ -394,7 +504,7 @@ impl UsageStore {
     pub fn totals(&self, period: &str, caller: Option<&str>) -> rusqlite::Result<Vec<Total>> {
         let conn = self.lock();
         let mut stmt = conn.prepare_cached(
-            "SELECT caller, kind, product, period, billable, s1, s2, s3, s4, s5 FROM totals
+            "SELECT caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot FROM totals
              WHERE period = ?1 AND (?2 IS NULL OR caller = ?2) ORDER BY caller, kind, product",
         )?;
         let rows = stmt.query_map(params![period, caller], |r| {
@@ -408,6 +518,7 @@ impl UsageStore {
                 product: r.get(2)?,
                 period: r.get(3)?,
                 billable: r.get::<_, i64>(4)?.max(0) as u64,
+                overshoot: r.get::<_, i64>(10)?.max(0) as u64,
                 calls: s.iter().sum(),
                 status: StatusClasses::from(s),
             })
@@ -577,6 +688,160 @@ pub struct PeriodNode {
     pub missing: Vec<Missing>,
     /// The start of its newest window (any period).
     pub last_window: String,
+}
+
+/// Adds `billable` calls of row `r` (a window starting at `start`) to its caller's use
+/// of quota `q`, raising the 80 % and 100 % events and a hard quota's flag as they are
+/// passed; returns the calls past a hard quota (overshoot).
+fn use_quota(
+    tx: &rusqlite::Transaction<'_>,
+    r: &postern_model::usage::Row,
+    q: Quota,
+    start: u64,
+    billable: u64,
+    now: u64,
+) -> rusqlite::Result<u64> {
+    let (ps, pe) = q.anchor.period(start);
+    let kind = r.kind.as_str();
+    let before: u64 = tx
+        .query_row(
+            "SELECT used FROM quota_use WHERE caller = ?1 AND kind = ?2 AND product = ?3 AND period_start = ?4",
+            params![r.caller, kind, r.product, sql_int(ps)],
+            |row| row.get::<_, i64>(0),
+        )
+        .optional()?
+        .map_or(0, |n| n.max(0) as u64);
+    let after = before.saturating_add(billable);
+    tx.execute(
+        "INSERT INTO quota_use (caller, kind, product, period_start, period_end, used) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT DO UPDATE SET used = excluded.used",
+        params![r.caller, kind, r.product, sql_int(ps), sql_int(pe), sql_int(after)],
+    )?;
+    let mode = match q.mode {
+        QuotaMode::Hard => "hard",
+        QuotaMode::Overage => "overage",
+    };
+    for percent in [80u64, 100] {
+        let mark = (u128::from(q.calls) * u128::from(percent)).div_ceil(100) as u64;
+        if before < mark && mark <= after {
+            tx.execute(
+                "INSERT INTO quota_events (at, caller, kind, product, period_start, period_end, percent, used, quota, mode)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) ON CONFLICT DO NOTHING",
+                params![
+                    sql_int(now),
+                    r.caller,
+                    kind,
+                    r.product,
+                    sql_int(ps),
+                    sql_int(pe),
+                    sql_int(percent),
+                    sql_int(after),
+                    sql_int(q.calls),
+                    mode
+                ],
+            )?;
+        }
+    }
+    if q.mode != QuotaMode::Hard {
+        return Ok(0);
+    }
+    if before < q.calls && q.calls <= after {
+        tx.execute(
+            "INSERT INTO over_quota (caller, kind, product, until, quota, period_s, since)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+            params![r.caller, kind, r.product, sql_int(pe), sql_int(q.calls), sql_int(pe - ps), sql_int(now)],
+        )?;
+    }
+    Ok(after.saturating_sub(before.max(q.calls)))
+}
+
+fn caller_kind(s: &str) -> CallerKind {
+    if s == "app" { CallerKind::App } else { CallerKind::Key }
+}
+
+impl UsageStore {
+    /// The over-quota flags still live at `now`, in a stable order.
+    pub fn live_flags(&self, now: u64) -> rusqlite::Result<Vec<QuotaFlag>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare_cached(
+            "SELECT caller, kind, product, until, quota, period_s FROM over_quota WHERE until > ?1
+             ORDER BY caller, kind, product, until",
+        )?;
+        let rows = stmt.query_map(params![sql_int(now)], |r| {
+            Ok(QuotaFlag {
+                caller: r.get(0)?,
+                kind: caller_kind(&r.get::<_, String>(1)?),
+                product: r.get(2)?,
+                until: r.get::<_, i64>(3)?.max(0) as u64,
+                quota: r.get::<_, i64>(4)?.max(0) as u64,
+                period_s: r.get::<_, i64>(5)?.max(0) as u64,
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Quota events, oldest first: those after number `after`, at most `limit`; only the
+    /// ones the webhook has not taken and whose next try is due at `due` when given.
+    pub fn events(&self, after: u64, limit: usize, due: Option<u64>) -> rusqlite::Result<Vec<QuotaEvent>> {
+        let conn = self.lock();
+        let mut stmt = conn.prepare_cached(
+            "SELECT id, at, caller, kind, product, period_start, period_end, percent, used, quota, mode,
+                    delivered, attempts
+             FROM quota_events WHERE id > ?1 AND (?2 IS NULL OR (delivered = 0 AND next_try <= ?2))
+             ORDER BY id LIMIT ?3",
+        )?;
+        let n = |r: &rusqlite::Row<'_>, i: usize| r.get::<_, i64>(i).map(|v| v.max(0) as u64);
+        let rows = stmt.query_map(params![sql_int(after), due.map(sql_int), limit as i64], |r| {
+            let percent = n(r, 7)?;
+            Ok(QuotaEvent {
+                id: n(r, 0)?,
+                kind: if percent >= 100 { "quota.exhausted" } else { "quota.warning" }.to_owned(),
+                at: rfc3339(n(r, 1)?),
+                caller: r.get(2)?,
+                caller_kind: r.get(3)?,
+                product: r.get(4)?,
+                period_start: rfc3339(n(r, 5)?),
+                period_end: rfc3339(n(r, 6)?),
+                percent,
+                used: n(r, 8)?,
+                quota: n(r, 9)?,
+                mode: r.get(10)?,
+                delivered: r.get::<_, i64>(11)? != 0,
+                attempts: n(r, 12)?,
+            })
+        })?;
+        rows.collect()
+    }
+
+    /// Records a webhook delivery of event `id`: taken, or to try again at `next_try`.
+    pub fn delivered(&self, id: u64, ok: bool, next_try: u64) -> rusqlite::Result<()> {
+        self.lock().execute(
+            "UPDATE quota_events SET attempts = attempts + 1, delivered = ?2, next_try = ?3 WHERE id = ?1",
+            params![sql_int(id), ok, sql_int(next_try)],
+        )?;
+        Ok(())
+    }
+
+    /// A caller's use of its quota on `product` in the period holding `t`: (used, period start, end).
+    pub fn quota_use(
+        &self,
+        caller: &str,
+        kind: CallerKind,
+        product: &str,
+        t: u64,
+    ) -> rusqlite::Result<Option<(u64, u64, u64)>> {
+        self.lock()
+            .query_row(
+                "SELECT used, period_start, period_end FROM quota_use
+                 WHERE caller = ?1 AND kind = ?2 AND product = ?3 AND period_start <= ?4 AND period_end > ?4",
+                params![caller, kind.as_str(), product, sql_int(t)],
+                |r| {
+                    let n = |i| r.get::<_, i64>(i).map(|v| v.max(0) as u64);
+                    Ok((n(0)?, n(1)?, n(2)?))
+                },
+            )
+            .optional()
+    }
 }
 
 /// Ranges asked for again in one answer at most.
@@ -762,15 +1027,15 @@ mod tests {
         let w1 = window("a", 1, DEC, vec![row("k1", "search/query", [0, 7, 1, 2, 0], 4)]);
         let w2 = window("a", 2, DEC + 10, vec![row("k1", "search/query", [0, 3, 0, 0, 1], 40)]);
         let ack = |applied, duplicates| UsageAck { applied, duplicates, missing: Vec::new() };
-        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), ack(1, 0));
-        assert_eq!(store.apply(&[w1.clone(), w2], DEC).unwrap(), ack(1, 1));
-        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC).unwrap(), ack(0, 1));
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC, &Quotas::default()).unwrap(), ack(1, 0));
+        assert_eq!(store.apply(&[w1.clone(), w2], DEC, &Quotas::default()).unwrap(), ack(1, 1));
+        assert_eq!(store.apply(std::slice::from_ref(&w1), DEC, &Quotas::default()).unwrap(), ack(0, 1));
         // Other contents under a known (node, seq): refused whole.
         let mut other = w1;
         other.rows[0].status[1] += 1;
         other.rows[0].latency[latency_bucket(4000)] += 1;
         let w3 = window("a", 3, DEC + 20, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 4)]);
-        assert!(matches!(store.apply(&[w3, other], DEC), Err(ApplyError::Conflict { seq: 1, .. })));
+        assert!(matches!(store.apply(&[w3, other], DEC, &Quotas::default()), Err(ApplyError::Conflict { seq: 1, .. })));
         let t = store.totals("2026-12", None).unwrap();
         assert_eq!(t.len(), 1);
         assert_eq!((t[0].billable, t[0].calls), (11, 14));
@@ -801,7 +1066,7 @@ mod tests {
             window("a", 2, DEC + 60, vec![row("k1", "search/query", [0, 4, 0, 0, 0], 1)]),
             window("b", 5, DEC - 10, vec![row("k1", "search/query", [0, 8, 0, 0, 0], 1)]),
         ];
-        store.apply(&windows, DEC).unwrap();
+        store.apply(&windows, DEC, &Quotas::default()).unwrap();
         let all = |by| Query { caller: Some("k1".into()), product: None, team: None, from: DEC, to: DEC + 120, by };
         let by_minute = store.query(&all(By::Minute)).unwrap();
         assert_eq!(by_minute.iter().map(|r| r.calls).collect::<Vec<_>>(), vec![1, 4]);
@@ -825,11 +1090,11 @@ mod tests {
         let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
         let w = |seq| window("a", seq, DEC + seq * 10, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1)]);
         let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
-        assert_eq!(missing(store.apply(&[w(1), w(2)], DEC).unwrap()), vec![]);
+        assert_eq!(missing(store.apply(&[w(1), w(2)], DEC, &Quotas::default()).unwrap()), vec![]);
         // 3..5 and 7 never came.
-        assert_eq!(missing(store.apply(&[w(6), w(8)], DEC).unwrap()), vec![(3, 5), (7, 7)]);
-        assert_eq!(missing(store.apply(&[w(4), w(9)], DEC).unwrap()), vec![(3, 3), (5, 5), (7, 7)]);
-        assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC).unwrap()), vec![]);
+        assert_eq!(missing(store.apply(&[w(6), w(8)], DEC, &Quotas::default()).unwrap()), vec![(3, 5), (7, 7)]);
+        assert_eq!(missing(store.apply(&[w(4), w(9)], DEC, &Quotas::default()).unwrap()), vec![(3, 3), (5, 5), (7, 7)]);
+        assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC, &Quotas::default()).unwrap()), vec![]);
         assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
         assert_eq!(store.nodes().unwrap()[0].missing, 0);
     }
@@ -840,11 +1105,11 @@ mod tests {
         let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
         let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
         let after = DEC + CLOSE_GRACE_S;
-        store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC).unwrap();
+        store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC, &Quotas::default()).unwrap();
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
         assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("lacks windows 2..2"), "{r:?}");
         assert!(store.export("2026-11").unwrap().is_err());
-        store.apply(&[w(2, DEC - 10)], DEC).unwrap();
+        store.apply(&[w(2, DEC - 10)], DEC, &Quotas::default()).unwrap();
         // Not before the period's end and its grace.
         assert!(!store.reconcile("2026-11", after - 1).unwrap().unwrap().is_final);
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
@@ -856,13 +1121,19 @@ mod tests {
         assert!(!store.reconcile("2026-12", after).unwrap().unwrap().is_final);
         // A node whose newest window is inside the period may still send more.
         let b = window("b", 1, DEC - 30, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)]);
-        store.apply(&[b], DEC).unwrap();
+        store.apply(&[b], DEC, &Quotas::default()).unwrap();
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
         assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("node b has sent nothing since")), "{r:?}");
-        store.apply(&[window("b", 2, DEC + 20, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)])], DEC).unwrap();
+        store
+            .apply(
+                &[window("b", 2, DEC + 20, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)])],
+                DEC,
+                &Quotas::default(),
+            )
+            .unwrap();
         assert!(store.reconcile("2026-11", after).unwrap().unwrap().is_final);
         // A November window after that reopens November until the next reconcile.
-        store.apply(&[w(4, DEC - 10)], DEC).unwrap();
+        store.apply(&[w(4, DEC - 10)], DEC, &Quotas::default()).unwrap();
         assert!(store.export("2026-11").unwrap().unwrap_err().contains("not final"));
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
         // Two late windows: node b's first (after November was final) and this one.
@@ -882,5 +1153,97 @@ mod tests {
             Some("2026-12-01T00:00:00+01:00 a")
         );
         assert_eq!(query_unescape("%zz"), None);
+    }
+
+    fn quotas(mode: QuotaMode, calls: u64, every: u64) -> Quotas {
+        let plans: BTreeMap<String, Plan> = [(
+            "metered".to_owned(),
+            Plan {
+                products: vec!["search".into()],
+                rate_limit: None,
+                app_rate_limit: None,
+                fail_closed: false,
+                quota: Some(Quota { calls, mode, anchor: postern_model::usage::Anchor::EverySeconds(every) }),
+            },
+        )]
+        .into();
+        let mut creds = Credentials::empty();
+        creds.keys = vec![postern_model::credentials::ApiKey {
+            id: "k1".into(),
+            sha256: "ab".repeat(32),
+            app: "a".into(),
+            tenant: "t".into(),
+            plan: "metered".into(),
+            scopes: vec![],
+            priority: Default::default(),
+            status: Default::default(),
+            successor: None,
+            expires_at: None,
+        }];
+        Quotas::new(&plans, &creds)
+    }
+
+    #[test]
+    fn a_hard_quota_flags_its_caller_and_bills_no_overshoot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let q = quotas(QuotaMode::Hard, 100, 60);
+        assert!(q.of(CallerKind::Key, "k1").is_some() && q.of(CallerKind::Key, "k2").is_none());
+        // 70 calls (and 5 refused ones, not billable), then 15: 80 % is passed.
+        let w = |seq, start, ok| window("a", seq, start, vec![row("k1", "search/query", [0, ok, 0, 5, 0], 4)]);
+        store.apply(&[w(1, DEC, 70)], DEC, &q).unwrap();
+        assert_eq!(store.events(0, 10, None).unwrap(), vec![], "70 of 100: nothing yet");
+        store.apply(&[w(2, DEC + 10, 15)], DEC + 11, &q).unwrap();
+        let events = store.events(0, 10, None).unwrap();
+        assert_eq!(events.iter().map(|e| (e.percent, e.used)).collect::<Vec<_>>(), vec![(80, 85)]);
+        assert_eq!(store.live_flags(DEC + 12).unwrap(), vec![], "not flagged below 100 %");
+        // 30 more: 100 % is passed in this window; 15 of them are overshoot. A duplicate
+        // delivery of it changes nothing.
+        store.apply(&[w(3, DEC + 20, 30)], DEC + 21, &q).unwrap();
+        store.apply(&[w(3, DEC + 20, 30)], DEC + 22, &q).unwrap();
+        let events = store.events(0, 10, None).unwrap();
+        assert_eq!(
+            events.iter().map(|e| (e.percent, e.kind.as_str())).collect::<Vec<_>>(),
+            vec![(80, "quota.warning"), (100, "quota.exhausted")]
+        );
+        let flags = store.live_flags(DEC + 22).unwrap();
+        assert_eq!(flags.len(), 1);
+        assert_eq!(
+            (flags[0].caller.as_str(), flags[0].until, flags[0].quota, flags[0].period_s),
+            ("k1", DEC + 60, 100, 60)
+        );
+        assert_eq!(store.live_flags(DEC + 60).unwrap(), vec![], "the flag lifts at the period's end");
+        // Calls admitted before the flag reached the nodes: overshoot, not billed.
+        store.apply(&[w(4, DEC + 30, 4)], DEC + 31, &q).unwrap();
+        let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+        assert_eq!((t.billable, t.overshoot, t.calls), (100, 19, 119 + 20));
+        assert_eq!(store.quota_use("k1", CallerKind::Key, "search", DEC + 30).unwrap(), Some((119, DEC, DEC + 60)));
+        // The next period starts from nothing.
+        store.apply(&[w(5, DEC + 60, 10)], DEC + 61, &q).unwrap();
+        assert_eq!(
+            store.quota_use("k1", CallerKind::Key, "search", DEC + 60).unwrap(),
+            Some((10, DEC + 60, DEC + 120))
+        );
+        let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+        assert_eq!((t.billable, t.overshoot), (110, 19));
+        // The webhook's bookkeeping: an event taken is not offered again.
+        let due = store.events(0, 10, Some(DEC + 100)).unwrap();
+        assert_eq!(due.len(), 2);
+        store.delivered(due[0].id, true, 0).unwrap();
+        store.delivered(due[1].id, false, DEC + 200).unwrap();
+        assert_eq!(store.events(0, 10, Some(DEC + 100)).unwrap(), vec![], "one taken, one not due yet");
+        assert_eq!(store.events(0, 10, Some(DEC + 200)).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn an_overage_quota_warns_and_bills_everything() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let q = quotas(QuotaMode::Overage, 10, 60);
+        store.apply(&[window("a", 1, DEC, vec![row("k1", "search/query", [0, 25, 0, 0, 0], 4)])], DEC, &q).unwrap();
+        assert_eq!(store.events(0, 10, None).unwrap().iter().map(|e| e.percent).collect::<Vec<_>>(), vec![80, 100]);
+        assert_eq!(store.live_flags(DEC).unwrap(), vec![], "overage is never blocked");
+        let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+        assert_eq!((t.billable, t.overshoot), (25, 0));
     }
 }

@@ -66,12 +66,7 @@ fn snapshot(routes: usize) -> Snapshot {
             rate_limit: None,
         });
     }
-    let plans = [(
-        "partner".to_owned(),
-        Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None, fail_closed: false },
-    )]
-    .into_iter()
-    .collect();
+    let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();
     Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans, paths: Default::default() }
 }
 

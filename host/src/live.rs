@@ -182,14 +182,20 @@ pub fn apply_credentials_delta(gw: &Gateway, doc: &postern_model::credentials::D
         return Err(ApplyError::DeltaBase { base: d.base, version: d.version, live: live.version });
     }
     let now = disk::unix_now();
-    let store = live.with_changes(d.version, &d.keys, &d.deny, now).map_err(|e| {
+    let store = live.with_changes(d.version, &d.keys, &d.deny, &d.over_quota, now).map_err(|e| {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
         ApplyError::from(e)
     })?;
     gw.auth.credentials.store(Arc::new(store));
     gw.metrics.credentials_ok.fetch_add(1, Ordering::Relaxed);
     gw.metrics.credentials_version.store(d.version, Ordering::Relaxed);
-    tracing::info!(version = d.version, keys = d.keys.len(), deny = d.deny.len(), "credentials live (delta)");
+    tracing::info!(
+        version = d.version,
+        keys = d.keys.len(),
+        deny = d.deny.len(),
+        over_quota = d.over_quota.len(),
+        "credentials live (delta)"
+    );
     Ok(())
 }
 

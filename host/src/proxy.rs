@@ -14,7 +14,7 @@ use http::uri::{PathAndQuery, Scheme};
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
-use postern_filter_contract::{Context, Flow, Reply, RequestHead, ResponseFlow};
+use postern_filter_contract::{Context, Flow, Identity, Payer, Reply, RequestHead, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
 
@@ -206,23 +206,21 @@ impl Exchange<'_> {
         if let (Some(usage), Some(route)) = (&gw.usage, self.route)
             && let Some(product) = &route.product
             && let Some(id) = self.cx.as_ref().and_then(Context::identity)
+            && let Some((payer, caller)) = id.caller()
         {
-            let caller = match (&id.key_id, &id.client_id) {
-                (Some(key), _) => Some((postern_model::usage::CallerKind::Key, key)),
-                (None, Some(app)) => Some((postern_model::usage::CallerKind::App, app)),
-                (None, None) => None,
+            let kind = match payer {
+                Payer::Key => postern_model::usage::CallerKind::Key,
+                Payer::App => postern_model::usage::CallerKind::App,
             };
-            if let Some((kind, caller)) = caller {
-                usage.meter.count(&postern_usage::Call {
-                    kind,
-                    caller,
-                    route: &route.id,
-                    product,
-                    status,
-                    at: now,
-                    latency: total,
-                });
-            }
+            usage.meter.count(&postern_usage::Call {
+                kind,
+                caller,
+                route: &route.id,
+                product,
+                status,
+                at: now,
+                latency: total,
+            });
         }
         m.latency.observe(total);
         m.added.observe(total.saturating_sub(self.waited));
@@ -307,7 +305,7 @@ async fn forward<'l>(
     // The backend: a stable hash of the caller, so one caller sees one version. On public
     // routes the caller is the route's sticky header (read before credentials are dropped:
     // they are never forwarded, and on authenticated routes the auth filter takes them).
-    let public_pick = if route.authenticates {
+    let public_pick = if route.product.is_some() {
         None
     } else {
         let key = route.split_header.as_ref().and_then(|h| parts.headers.get(h)).map(HeaderValue::as_bytes);
@@ -328,7 +326,7 @@ async fn forward<'l>(
         Some(pick) => pick,
         None => {
             let id = cx.and_then(Context::identity);
-            route.split(id.and_then(|id| id.key_id.as_deref().or(id.client_id.as_deref())))
+            route.split(id.and_then(Identity::caller).map(|(_, caller)| &caller[..]))
         }
     };
     let upstream = upstream.ok_or(ProxyError::NoEndpoint)?;

@@ -102,10 +102,9 @@ pub struct CompiledRoute {
     pub max_body_bytes: u64,
     /// Buffer the body for filters' body phase.
     pub buffer_body: bool,
-    /// The first filter authenticates the caller (otherwise the route is public and
-    /// credentials are dropped before any filter sees them).
-    pub authenticates: bool,
-    /// The API product of an authenticated route: its callers' calls are metered.
+    /// The API product of an authenticated route, whose first filter authenticates the
+    /// caller and whose callers' calls are metered; `None`: a public route (credentials
+    /// are dropped before any filter sees them).
     pub product: Option<Arc<str>>,
     /// Path rewrite.
     pub rewrite: Option<Rewrite>,
@@ -398,7 +397,6 @@ impl Builder {
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
-                authenticates: r.auth.is_some(),
                 product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
                 rewrite,
                 filters,

@@ -26,7 +26,9 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use postern_filter_contract::{ConfigError, Context, Filter, Flow, Identity, Problem, RequestHead};
 use postern_model::{AuthMethod, Plan, RouteAuth};
 
-pub use store::{CredentialStore, StoreError};
+use crate::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
+
+pub use store::{CredentialStore, Flagged, StoreError};
 
 #[cfg(test)]
 mod tests;
@@ -87,11 +89,13 @@ pub enum Reason {
     InsufficientScope,
     /// The caller's plan does not include the route's product.
     NotInPlan,
+    /// The caller's hard quota on the route's product is used up.
+    QuotaExceeded,
 }
 
 impl Reason {
     /// Every reason, in index order.
-    pub const ALL: [Reason; 21] = [
+    pub const ALL: [Reason; 22] = [
         Reason::Ok,
         Reason::Missing,
         Reason::Ambiguous,
@@ -113,6 +117,7 @@ impl Reason {
         Reason::Revoked,
         Reason::InsufficientScope,
         Reason::NotInPlan,
+        Reason::QuotaExceeded,
     ];
 
     /// Metric label.
@@ -139,6 +144,7 @@ impl Reason {
             Reason::Revoked => "revoked",
             Reason::InsufficientScope => "insufficient_scope",
             Reason::NotInPlan => "product_not_in_plan",
+            Reason::QuotaExceeded => "quota_exceeded",
         }
     }
 }
@@ -187,7 +193,17 @@ impl Authenticator {
 
     /// Authenticates the credential in `headers` for a route accepting `methods`.
     pub fn authenticate(&self, headers: &HeaderMap, methods: Methods, now: u64) -> Result<Arc<Identity>, Reason> {
-        let store = self.credentials.load();
+        self.authenticate_in(&self.credentials.load(), headers, methods, now)
+    }
+
+    /// As [`Authenticator::authenticate`], against `store`.
+    fn authenticate_in(
+        &self,
+        store: &CredentialStore,
+        headers: &HeaderMap,
+        methods: Methods,
+        now: u64,
+    ) -> Result<Arc<Identity>, Reason> {
         let mut keys = headers.get_all(X_API_KEY).iter();
         let key = if methods.api_key { keys.next() } else { None };
         let mut auths = headers.get_all(AUTHORIZATION).iter();
@@ -216,8 +232,17 @@ impl Authenticator {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(Reason::Missing);
         }
-        jwt::authenticate(&self.tokens, &store, token.trim_start_matches(' '), now)
+        jwt::authenticate(&self.tokens, store, token.trim_start_matches(' '), now)
     }
+}
+
+/// Why [`AuthFilter::check`] refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Not authenticated, or not authorised.
+    Auth(Reason),
+    /// The caller's hard quota on the route's product is used up.
+    Quota(Flagged),
 }
 
 /// Which credentials a route accepts.
@@ -301,19 +326,48 @@ impl AuthFilter {
         })
     }
 
-    /// Checks the request's credential and the route's scopes and product.
-    pub fn check(&self, headers: &HeaderMap, now: u64) -> Result<Arc<Identity>, Reason> {
-        let id = self.auth.authenticate(headers, self.methods, now)?;
+    /// Checks the request's credential, the route's scopes and product, and the caller's
+    /// quota on it.
+    pub fn check(&self, headers: &HeaderMap, now: u64) -> Result<Arc<Identity>, Refused> {
+        let store = self.auth.credentials.load();
+        let id = self.auth.authenticate_in(&store, headers, self.methods, now).map_err(Refused::Auth)?;
         // Entitlement first: a caller whose plan lacks the product is told so, whatever
         // its scopes.
         let plan: &[u8] = id.plan.as_deref().unwrap_or_default();
         if !self.plans.iter().any(|p| **p == *plan) {
-            return Err(Reason::NotInPlan);
+            return Err(Refused::Auth(Reason::NotInPlan));
         }
         if !self.scopes.iter().all(|s| id.has_scope(s)) {
-            return Err(Reason::InsufficientScope);
+            return Err(Refused::Auth(Reason::InsufficientScope));
+        }
+        if let Some((payer, caller)) = id.caller()
+            && let Some(flag) = store.over_quota.get(payer, caller, &self.product, now)
+        {
+            return Err(Refused::Quota(flag));
         }
         Ok(id)
+    }
+
+    /// 429 `quota_exceeded`, with headers apart from rate limiting's: `Retry-After` to
+    /// the period's end and a `quota` policy whose window is the period.
+    fn over_quota(&self, flag: Flagged, now: u64) -> Problem {
+        let left = flag.until.saturating_sub(now).max(1);
+        let detail = format!(
+            "the caller's quota of {} calls to the {} API is used up; it renews in {left} s",
+            flag.quota, self.product
+        );
+        let mut p = Problem::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", detail);
+        let values = [
+            (http::header::RETRY_AFTER, left.to_string()),
+            (RATELIMIT_POLICY, format!("\"quota\";q={};w={}", flag.quota, flag.period_s)),
+            (RATELIMIT, format!("\"quota\";r=0;t={left}")),
+        ];
+        for (name, v) in values {
+            if let Ok(v) = HeaderValue::from_str(&v) {
+                p.headers.insert(name, v);
+            }
+        }
+        p
     }
 
     fn refuse(&self, reason: Reason) -> Problem {
@@ -330,6 +384,9 @@ impl AuthFilter {
                 format!("the caller's plan does not include the {} API", self.product).into(),
                 &[][..],
             ),
+            Reason::QuotaExceeded => {
+                (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", "the caller's quota is used up".into(), &[][..])
+            }
             Reason::Missing => (
                 StatusCode::UNAUTHORIZED,
                 "invalid_credentials",
@@ -378,7 +435,8 @@ pub fn strip_credentials(headers: &mut HeaderMap) {
 
 impl Filter for AuthFilter {
     fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
-        let result = self.check(&req.headers, unix_now());
+        let now = unix_now();
+        let result = self.check(&req.headers, now);
         strip_credentials(&mut req.headers);
         match result {
             Ok(id) => {
@@ -387,10 +445,14 @@ impl Filter for AuthFilter {
                 let _ = cx.identity.set(id);
                 Flow::Continue
             }
-            Err(reason) => {
+            Err(Refused::Auth(reason)) => {
                 self.auth.stats.count(reason);
                 tracing::debug!(route = %self.route, reason = reason.as_str(), "request refused by authentication");
                 Flow::Respond(self.refuse(reason).into())
+            }
+            Err(Refused::Quota(flag)) => {
+                self.auth.stats.count(Reason::QuotaExceeded);
+                Flow::Respond(self.over_quota(flag, now).into())
             }
         }
     }

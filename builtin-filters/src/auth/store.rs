@@ -9,8 +9,9 @@ use std::sync::Arc;
 use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey, RSA_PKCS1_2048_8192_SHA256};
 use bytes::Bytes;
 use jsonwebtoken::DecodingKey;
-use postern_filter_contract::{CredentialKind, Identity};
-use postern_model::credentials::{Alg, ApiKey, Credentials, DenyEntry, KeyStatus};
+use postern_filter_contract::{CredentialKind, Identity, Payer};
+use postern_model::credentials::{Alg, ApiKey, Credentials, DenyEntry, KeyStatus, QuotaFlag};
+use postern_model::usage::CallerKind;
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -94,6 +95,68 @@ impl DenyList {
     }
 }
 
+/// A caller's used-up hard quota on one product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Flagged {
+    /// Unix seconds: the period's end, when the flag lifts.
+    pub until: u64,
+    /// Calls per period.
+    pub quota: u64,
+    /// The period's length, seconds.
+    pub period_s: u64,
+}
+
+type ByCaller = FastMap<Box<str>, FastMap<Box<[u8]>, Flagged>>;
+
+/// Over-quota flags by product, then caller (API keys and apps apart); a flag past its
+/// `until` is ignored, so a period's end lifts it without a message.
+#[derive(Debug, Default, Clone)]
+pub struct OverQuota {
+    keys: ByCaller,
+    apps: ByCaller,
+}
+
+impl OverQuota {
+    /// The live flag of `caller` on `product` at `now`, if any. Nothing is allocated.
+    pub fn get(&self, payer: Payer, caller: &[u8], product: &str, now: u64) -> Option<Flagged> {
+        let by = match payer {
+            Payer::Key => &self.keys,
+            Payer::App => &self.apps,
+        };
+        if by.is_empty() {
+            return None;
+        }
+        by.get(product)?.get(caller).copied().filter(|f| now < f.until)
+    }
+
+    /// Adds a flag unless it has lifted at `now`; the later period wins.
+    fn add(&mut self, f: &QuotaFlag, now: u64) {
+        if f.until <= now {
+            return;
+        }
+        let by = match f.kind {
+            CallerKind::Key => &mut self.keys,
+            CallerKind::App => &mut self.apps,
+        };
+        let flag = Flagged { until: f.until, quota: f.quota, period_s: f.period_s };
+        let slot = by.entry(Box::from(f.product.as_str())).or_default();
+        let e = slot.entry(Box::from(f.caller.as_bytes())).or_insert(flag);
+        if e.until < flag.until {
+            *e = flag;
+        }
+    }
+
+    /// Flags held (some may have lifted since).
+    pub fn len(&self) -> usize {
+        self.keys.values().chain(self.apps.values()).map(FastMap::len).sum()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// JWT checks that do not depend on the key.
 #[derive(Debug, Clone)]
 pub struct JwtLimits {
@@ -116,6 +179,8 @@ pub struct CredentialStore {
     apps: Arc<FastMap<Box<str>, AppEntry>>,
     /// Revocations.
     pub deny: DenyList,
+    /// Callers over their hard quota.
+    pub over_quota: OverQuota,
     /// Token limits.
     pub jwt: JwtLimits,
     /// The `aud` values accepted.
@@ -260,19 +325,22 @@ impl CredentialStore {
             signing: Arc::default(),
             apps: Arc::default(),
             deny: DenyList::default(),
+            over_quota: OverQuota::default(),
             jwt: JwtLimits { leeway: 30, max_token_bytes: 4096, max_lifetime: 3600 },
             audiences: Vec::new(),
         }
     }
 
-    /// This state with key records added or replaced (matched by hash) and deny entries
-    /// added, as version `version`: the fast lane's change to a large table costs a copy
-    /// of the key index, not a rebuild. Signing keys, apps and JWT settings are shared.
+    /// This state with key records added or replaced (matched by hash), deny entries and
+    /// over-quota flags added, as version `version`: the fast lane's change to a large
+    /// table costs a copy of the key index, not a rebuild. Signing keys, apps and JWT
+    /// settings are shared.
     pub fn with_changes(
         &self,
         version: u64,
         keys: &[ApiKey],
         deny: &[DenyEntry],
+        flags: &[QuotaFlag],
         now: u64,
     ) -> Result<CredentialStore, StoreError> {
         let mut names = Interner::default();
@@ -287,12 +355,17 @@ impl CredentialStore {
         for (i, d) in deny.iter().enumerate() {
             list.add(i, d, lifetime, now)?;
         }
+        let mut over_quota = self.over_quota.clone();
+        for f in flags {
+            over_quota.add(f, now);
+        }
         Ok(CredentialStore {
             version,
             keys: index,
             signing: self.signing.clone(),
             apps: self.apps.clone(),
             deny: list,
+            over_quota,
             jwt: self.jwt.clone(),
             audiences: self.audiences.clone(),
         })
@@ -364,6 +437,10 @@ impl CredentialStore {
         for (i, d) in creds.deny.iter().enumerate() {
             deny.add(i, d, lifetime, now)?;
         }
+        let mut over_quota = OverQuota::default();
+        for f in &creds.over_quota {
+            over_quota.add(f, now);
+        }
 
         Ok(CredentialStore {
             version,
@@ -371,6 +448,7 @@ impl CredentialStore {
             signing: Arc::new(signing),
             apps: Arc::new(apps),
             deny,
+            over_quota,
             jwt: JwtLimits {
                 leeway: settings.leeway_s,
                 max_token_bytes: settings.max_token_bytes,
@@ -463,6 +541,7 @@ mod tests {
                 2,
                 &[key("k1", "ab", KeyStatus::Revoked), key("k2", "cd", KeyStatus::Active)],
                 &[DenyEntry { jti: Some("t1".into()), expires_at: Some(200), ..entry() }],
+                &[],
                 100,
             )
             .unwrap();
@@ -479,7 +558,7 @@ mod tests {
         // The state it came from is untouched.
         assert!(base.key(&h("ab")).unwrap().active);
         assert_eq!(base.counts(), (1, 0, 0, 0));
-        let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], 100);
+        let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], &[], 100);
         assert!(bad.unwrap_err().to_string().contains("keys[0] (id \"k3\")"));
     }
 
@@ -525,5 +604,29 @@ mod tests {
             public_key_pem: "not a key".into(),
         }];
         assert!(CredentialStore::build(1, &c, 0).unwrap_err().to_string().contains("signing_keys[0]"));
+    }
+
+    #[test]
+    fn over_quota_flags_hold_until_their_period_ends() {
+        let flag = |caller: &str, kind, product: &str, until| QuotaFlag {
+            caller: caller.into(),
+            kind,
+            product: product.into(),
+            until,
+            quota: 100,
+            period_s: 60,
+        };
+        let mut c = Credentials::empty();
+        c.over_quota = vec![flag("k1", CallerKind::Key, "search", 200), flag("gone", CallerKind::Key, "search", 90)];
+        let store = CredentialStore::build(1, &c, 100).unwrap();
+        assert_eq!(store.over_quota.len(), 1, "a flag already lifted is dropped");
+        let f = store.over_quota.get(Payer::Key, b"k1", "search", 150).unwrap();
+        assert_eq!((f.until, f.quota, f.period_s), (200, 100, 60));
+        assert_eq!(store.over_quota.get(Payer::Key, b"k1", "search", 200), None, "lifted at the period's end");
+        assert_eq!(store.over_quota.get(Payer::Key, b"k1", "orders", 150), None, "another product");
+        assert_eq!(store.over_quota.get(Payer::App, b"k1", "search", 150), None, "an app of the same name");
+        let next = store.with_changes(2, &[], &[], &[flag("app-1", CallerKind::App, "search", 300)], 100).unwrap();
+        assert!(next.over_quota.get(Payer::App, b"app-1", "search", 250).is_some());
+        assert!(next.over_quota.get(Payer::Key, b"k1", "search", 150).is_some(), "kept from the base");
     }
 }

@@ -82,13 +82,16 @@ impl Fixture {
 
     fn filter(&self, methods: &[AuthMethod], scopes: &[&str]) -> AuthFilter {
         let mut plans = BTreeMap::new();
-        plans.insert(
-            "partner".to_owned(),
-            Plan { products: vec!["orders".into()], rate_limit: None, app_rate_limit: None, fail_closed: false },
-        );
+        plans.insert("partner".to_owned(), Plan::of_products(&["orders"]));
         plans.insert(
             "free".to_owned(),
-            Plan { products: vec!["search".into()], rate_limit: None, app_rate_limit: None, fail_closed: false },
+            Plan {
+                products: vec!["search".into()],
+                rate_limit: None,
+                app_rate_limit: None,
+                fail_closed: false,
+                quota: None,
+            },
         );
         let spec = RouteAuth {
             methods: methods.to_vec(),
@@ -550,4 +553,53 @@ fn outcomes_are_counted_by_reason() {
     let counts: BTreeMap<&str, u64> = f.auth.stats.snapshot().map(|(r, n)| (r.as_str(), n)).collect();
     assert_eq!(counts["ok"], 1);
     assert_eq!(counts["missing"], 1);
+}
+
+#[test]
+fn a_caller_over_its_hard_quota_gets_429_until_the_period_ends() {
+    use postern_model::credentials::QuotaFlag;
+    use postern_model::usage::CallerKind;
+    let mut f = Fixture::new();
+    let filter = f.filter(&[AuthMethod::ApiKey, AuthMethod::Jwt], &["orders:read"]);
+    let until = now() + 90;
+    f.creds.over_quota = vec![
+        QuotaFlag {
+            caller: "k-1".into(),
+            kind: CallerKind::Key,
+            product: "orders".into(),
+            until,
+            quota: 500,
+            period_s: 3600,
+        },
+        // The same name as an app, and another product: neither applies to k-1 here.
+        QuotaFlag {
+            caller: "app-1".into(),
+            kind: CallerKind::App,
+            product: "search".into(),
+            until,
+            quota: 5,
+            period_s: 60,
+        },
+    ];
+    f.apply(2);
+    let (status, h, r, cx) = run(&filter, &[("x-api-key", &f.key)]);
+    assert_eq!((status, code(&r)), (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"));
+    assert!(h.get("x-auth-key-id").is_none() && cx.identity().is_none(), "a refused call is not the caller's");
+    let Some(Reply::Problem(p)) = r else { unreachable!() };
+    let retry: u64 = p.headers[http::header::RETRY_AFTER].to_str().unwrap().parse().unwrap();
+    assert!((88..=90).contains(&retry), "Retry-After runs to the period's end: {retry}");
+    assert_eq!(p.headers["ratelimit-policy"], "\"quota\";q=500;w=3600");
+    assert!(p.headers["ratelimit"].to_str().unwrap().starts_with("\"quota\";r=0;t="));
+    // A token of app-1 is not flagged on orders: it passes.
+    let (status, ..) = run(&filter, &[("authorization", &bearer(&es256(&claims("alice"))))]);
+    assert_eq!(status, StatusCode::OK);
+    // Past `until` on the node's own clock the flag is ignored, with no new state.
+    let store = f.auth.credentials.load();
+    assert!(store.over_quota.get(postern_filter_contract::Payer::Key, b"k-1", "orders", until).is_none());
+    assert_eq!(
+        filter.check(&headers(&[("x-api-key", &f.key)]), until).map(|id| id.key_id.clone()).ok().flatten().as_deref(),
+        Some(&b"k-1"[..])
+    );
+    let refused = f.auth.stats.snapshot().find(|(r, _)| *r == Reason::QuotaExceeded).map(|(_, n)| n);
+    assert_eq!(refused, Some(1));
 }

@@ -73,6 +73,48 @@ pub struct Credentials {
     /// Revoked tokens, users and apps.
     #[serde(default)]
     pub deny: Vec<DenyEntry>,
+    /// Callers whose hard quota is used up, from the quota service.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub over_quota: Vec<QuotaFlag>,
+}
+
+/// A caller (API key or OAuth app) that used up its hard quota for one product: refused
+/// with 429 `quota_exceeded` until `until`, the period's end, which the node reads on
+/// its own clock, so the flag lifts without a message.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaFlag {
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// `key` or `app`.
+    pub kind: crate::usage::CallerKind,
+    /// The product.
+    pub product: String,
+    /// Unix seconds: the period's end.
+    pub until: u64,
+    /// The quota (calls per period), for `RateLimit-Policy`.
+    pub quota: u64,
+    /// The period's length in seconds, for `RateLimit-Policy`.
+    pub period_s: u64,
+}
+
+impl QuotaFlag {
+    /// The flag's identity: one per caller and product.
+    pub fn key(&self) -> (&str, crate::usage::CallerKind, &str) {
+        (&self.caller, self.kind, &self.product)
+    }
+}
+
+/// Adds `flags` to `into`: a flag for a caller and product already there takes the later
+/// period.
+pub fn merge_flags(into: &mut Vec<QuotaFlag>, flags: &[QuotaFlag]) {
+    for f in flags {
+        match into.iter_mut().find(|x| x.key() == f.key()) {
+            Some(slot) if slot.until < f.until => *slot = f.clone(),
+            Some(_) => {}
+            None => into.push(f.clone()),
+        }
+    }
 }
 
 impl Credentials {
@@ -87,6 +129,7 @@ impl Credentials {
             }
         }
         out.deny.extend(d.deny.iter().cloned());
+        merge_flags(&mut out.over_quota, &d.over_quota);
         out
     }
 
@@ -99,12 +142,16 @@ impl Credentials {
         fn deny(c: &Credentials) -> std::collections::BTreeSet<String> {
             c.deny.iter().filter_map(|d| serde_json::to_string(d).ok()).collect()
         }
+        fn flags(c: &Credentials) -> std::collections::BTreeSet<&QuotaFlag> {
+            c.over_quota.iter().collect()
+        }
         self.schema == other.schema
             && self.jwt == other.jwt
             && self.signing_keys == other.signing_keys
             && self.apps == other.apps
             && keys(self) == keys(other)
             && deny(self) == deny(other)
+            && flags(self) == flags(other)
     }
 
     /// No keys, no signing keys: every credential is refused.
@@ -116,6 +163,7 @@ impl Credentials {
             apps: BTreeMap::new(),
             keys: Vec::new(),
             deny: Vec::new(),
+            over_quota: Vec::new(),
         }
     }
 
@@ -325,6 +373,9 @@ pub struct CredentialsDelta {
     /// Deny entries added.
     #[serde(default)]
     pub deny: Vec<DenyEntry>,
+    /// Over-quota flags added.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub over_quota: Vec<QuotaFlag>,
 }
 
 /// A delta as sent and stored: `{"delta": {...}}`, told apart from a sealed envelope by

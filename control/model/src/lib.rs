@@ -174,6 +174,45 @@ pub struct Plan {
     /// instead of going on with each node's last share.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub fail_closed: bool,
+    /// Calls a caller may make per billing period, per product.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<Quota>,
+}
+
+impl Plan {
+    /// A plan of these products with no limits, quota or fail-closed sync.
+    pub fn of_products(products: &[&str]) -> Plan {
+        Plan {
+            products: products.iter().map(|p| (*p).to_owned()).collect(),
+            rate_limit: None,
+            app_rate_limit: None,
+            fail_closed: false,
+            quota: None,
+        }
+    }
+}
+
+/// A plan's quota: `calls` billable calls per caller (API key or OAuth app) and product
+/// in each period.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quota {
+    /// Calls per period.
+    pub calls: u64,
+    /// What happens past it.
+    pub mode: QuotaMode,
+    /// Where periods start.
+    pub anchor: usage::Anchor,
+}
+
+/// What a quota does once it is used up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuotaMode {
+    /// Refuse the caller's calls (429 `quota_exceeded`) until the period ends.
+    Hard,
+    /// Never refuse: calls past the quota are billed as overage.
+    Overage,
 }
 
 /// A token-bucket rate: `rps` tokens a second, at most `burst` saved up.

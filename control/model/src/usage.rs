@@ -223,6 +223,63 @@ pub fn parse_month(name: &str) -> Option<(u64, u64)> {
     Some((start as u64, end))
 }
 
+/// Where a quota's periods start. Every boundary is a multiple of [`WINDOW_S`], so a
+/// window lands in exactly one period of any anchor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Anchor {
+    /// The UTC calendar month.
+    UtcMonth,
+    /// A month from day `n` (1 to 28) at UTC midnight: a customer's billing day.
+    BillingDay(u8),
+    /// Fixed periods of this many seconds from the Unix epoch (a multiple of
+    /// [`WINDOW_S`]): trials, and tests that watch a period end.
+    EverySeconds(u64),
+}
+
+impl Anchor {
+    /// Checks the anchor's number.
+    pub fn check(self) -> Result<(), String> {
+        match self {
+            Anchor::UtcMonth => Ok(()),
+            Anchor::BillingDay(d) if (1..=28).contains(&d) => Ok(()),
+            Anchor::BillingDay(d) => Err(format!("billing day {d}: give 1 to 28")),
+            Anchor::EverySeconds(s) if s >= WINDOW_S && s.is_multiple_of(WINDOW_S) => Ok(()),
+            Anchor::EverySeconds(s) => Err(format!("period of {s} s: give a multiple of {WINDOW_S} s")),
+        }
+    }
+
+    /// The period holding Unix second `t`: `[start, end)`.
+    pub fn period(self, t: u64) -> (u64, u64) {
+        match self {
+            Anchor::UtcMonth => {
+                let (_, start, end) = month_period(t);
+                (start, end)
+            }
+            Anchor::BillingDay(d) => {
+                let d = u32::from(d.clamp(1, 28));
+                let (y, m, day) = civil((t / 86_400) as i64);
+                let (y, m) = if day >= d {
+                    (y, m)
+                } else if m == 1 {
+                    (y - 1, 12)
+                } else {
+                    (y, m - 1)
+                };
+                let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
+                let start = days_from_civil(y, m, d) * 86_400;
+                let end = days_from_civil(ny, nm, d) * 86_400;
+                (start.max(0) as u64, end.max(0) as u64)
+            }
+            Anchor::EverySeconds(s) => {
+                let s = s.max(WINDOW_S);
+                let start = t - t % s;
+                (start, start + s)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,5 +341,27 @@ mod tests {
         assert!((3.0..=5.0).contains(&p50), "{p50}");
         assert_eq!(latency_bucket(999), 0);
         assert_eq!(latency_bucket(60_000_000), LATENCY_BOUNDS_MS.len());
+    }
+
+    #[test]
+    fn quota_periods_hold_their_instant_and_meet_end_to_start() {
+        // 2026-03-15T00:00:00Z and around.
+        let mid_march = days_from_civil(2026, 3, 15) as u64 * 86_400;
+        for anchor in [Anchor::UtcMonth, Anchor::BillingDay(15), Anchor::BillingDay(28), Anchor::EverySeconds(60)] {
+            assert_eq!(anchor.check(), Ok(()));
+            for t in [mid_march - 1, mid_march, mid_march + 7 * 86_400 + 5, 0, 1_900_000_000] {
+                let (start, end) = anchor.period(t);
+                assert!(start <= t && t < end, "{anchor:?} {t}: [{start}, {end})");
+                assert!(start.is_multiple_of(WINDOW_S) && end.is_multiple_of(WINDOW_S));
+                assert_eq!(anchor.period(end).0, end, "{anchor:?}: the next period starts where this one ends");
+            }
+        }
+        assert_eq!(Anchor::BillingDay(15).period(mid_march), (mid_march, days_from_civil(2026, 4, 15) as u64 * 86_400));
+        assert_eq!(
+            Anchor::BillingDay(15).period(mid_march - 1),
+            (days_from_civil(2026, 2, 15) as u64 * 86_400, mid_march)
+        );
+        assert!(Anchor::BillingDay(29).check().is_err());
+        assert!(Anchor::EverySeconds(15).check().is_err());
     }
 }

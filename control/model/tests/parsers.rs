@@ -99,6 +99,7 @@ fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
         version: 2,
         keys: vec![key("k1", &"1".repeat(64), KeyStatus::Revoked), key("k2", &"2".repeat(64), KeyStatus::Active)],
         deny: vec![],
+        over_quota: vec![],
     };
     assert!(base.with_delta(&delta).same_state(&whole), "order does not matter");
     // A difference the delta does not carry (an app) means it is not the whole version.

@@ -87,7 +87,26 @@ pub struct Identity {
     pub scopes: Bytes,
 }
 
+/// Who a call counts against: its API key, or for an access token its OAuth app.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Payer {
+    /// An API key, by id.
+    Key,
+    /// An OAuth app, by `client_id`.
+    App,
+}
+
 impl Identity {
+    /// Who the call counts against (usage, quotas, a traffic split): the key's id, else
+    /// the app's `client_id`.
+    pub fn caller(&self) -> Option<(Payer, &Bytes)> {
+        match (&self.key_id, &self.client_id) {
+            (Some(key), _) => Some((Payer::Key, key)),
+            (None, Some(app)) => Some((Payer::App, app)),
+            (None, None) => None,
+        }
+    }
+
     /// Whether the caller holds `scope`.
     pub fn has_scope(&self, scope: &str) -> bool {
         self.scopes.split(|&b| b == b' ').any(|s| s == scope.as_bytes())

@@ -1,0 +1,252 @@
+//! The quota service's parts of `posternctl serve`: who is on which quota (from the
+//! published plans and credentials), publishing over-quota flags on the credentials lane,
+//! and the webhook that delivers quota events.
+//!
+//! The usage intake applies windows and their quota use in one transaction
+//! ([`UsageStore::apply`]); nothing here is on its path. It wakes the flag publisher,
+//! which compares the store's live flags with the credentials head and publishes a new
+//! version when they differ (a delta when it only adds flags, so nodes have it in about a
+//! second). The webhook sender drains undelivered events with retries on its own task.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use postern_model::credentials::{Credentials, CredentialsDelta, DeltaDoc, QuotaFlag};
+use postern_model::disk::unix_now;
+
+use super::{DELTAS_KEPT, Server};
+use crate::store::{Change, Lane, Version};
+use crate::usage::{QuotaEvent, Quotas, UsageStore};
+
+/// How often flags are compared with the credentials head without a wake-up.
+const FLAG_PASS: Duration = Duration::from_secs(5);
+/// How often the webhook sender looks for events due.
+const WEBHOOK_PASS: Duration = Duration::from_secs(1);
+/// The longest wait between two deliveries of one event.
+const WEBHOOK_MAX_BACKOFF_S: u64 = 300;
+
+/// Quotas compiled as of (snapshot head, credentials head).
+type QuotaCache = Option<((u64, u64), Arc<Quotas>)>;
+
+/// The quota service's state in a server.
+#[derive(Debug, Default)]
+pub(super) struct QuotaService {
+    /// The quotas as of (snapshot head, credentials head).
+    quotas: std::sync::Mutex<QuotaCache>,
+    /// Woken after every applied batch.
+    pub(super) wake: tokio::sync::Notify,
+    /// Where quota events are posted.
+    pub(super) webhook: Option<String>,
+}
+
+impl QuotaService {
+    /// A service posting events to `webhook`, if given.
+    pub(super) fn new(webhook: Option<String>) -> QuotaService {
+        QuotaService { webhook, ..QuotaService::default() }
+    }
+}
+
+impl Server {
+    /// Who is on which quota, as the published plans and credentials say; rebuilt when
+    /// either head moves.
+    pub(super) async fn quotas(&self) -> Result<Arc<Quotas>, String> {
+        let (s, c, _) = *self.heads.borrow();
+        if let Ok(slot) = self.quota.quotas.lock()
+            && let Some((at, q)) = slot.as_ref()
+            && *at == (s, c)
+        {
+            return Ok(q.clone());
+        }
+        let snapshot = self.store.head(Lane::Snapshot).await.map_err(|e| e.to_string())?;
+        let creds = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())?;
+        let at = (snapshot.as_ref().map_or(0, |v| v.number), creds.as_ref().map_or(0, |v| v.number));
+        let built = tokio::task::spawn_blocking(move || -> Result<Quotas, String> {
+            let plans = match &snapshot {
+                Some(v) => postern_model::SnapshotFile::open(&v.bytes).map_err(|e| e.to_string())?.1.plans,
+                None => return Ok(Quotas::default()),
+            };
+            let creds = match &creds {
+                Some(v) => Credentials::open(&v.bytes).map_err(|e| e.to_string())?.1,
+                None => Credentials::empty(),
+            };
+            Ok(Quotas::new(&plans, &creds))
+        })
+        .await
+        .map_err(|e| e.to_string())??;
+        let built = Arc::new(built);
+        if let Ok(mut slot) = self.quota.quotas.lock() {
+            *slot = Some((at, built.clone()));
+        }
+        Ok(built)
+    }
+
+    /// Publishes the usage store's live over-quota flags on the credentials lane when the
+    /// head carries others.
+    pub(super) async fn publish_flags(&self) -> Result<(), String> {
+        let Some(usage) = self.usage.clone() else { return Ok(()) };
+        let now = unix_now();
+        let live = blocking(&usage, move |u| u.live_flags(now)).await?;
+        let one = self.publishing.lock().await;
+        // No credentials published yet: the first version takes the flags.
+        let Some(base) = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())? else {
+            return Ok(());
+        };
+        let (_, was) = Credentials::open(&base.bytes).map_err(|e| e.to_string())?;
+        let mut held: Vec<QuotaFlag> = was.over_quota.iter().filter(|f| f.until > now).cloned().collect();
+        held.sort();
+        if held == live {
+            return Ok(());
+        }
+        let added: Vec<QuotaFlag> = live.iter().filter(|f| !was.over_quota.contains(f)).cloned().collect();
+        let mut creds = was.clone();
+        creds.over_quota = live;
+        let content = serde_json::value::to_raw_value(&creds).map_err(|e| e.to_string())?;
+        let note =
+            added.iter().map(|f| format!("{} {} on {}", f.kind.as_str(), f.caller, f.product)).collect::<Vec<_>>();
+        let note = format!("over quota: {}", if note.is_empty() { "flags lifted".to_owned() } else { note.join(", ") });
+        let change =
+            Change { kind: Lane::Credentials, content: &content, who: "quota-service", action: "quota", note: &note };
+        let (v, changed) = self.store.publish(&change).await.map_err(|e| e.to_string())?;
+        if changed {
+            let delta = CredentialsDelta {
+                base: base.number,
+                version: v.number,
+                keys: Vec::new(),
+                deny: Vec::new(),
+                over_quota: added,
+            };
+            self.offer_delta(&base, &v, delta, &was, &creds);
+            eprintln!("posternctl serve: credentials v{}: {note}", v.number);
+        }
+        self.heads.send_modify(|h| h.1 = h.1.max(v.number));
+        drop(one);
+        Ok(())
+    }
+
+    /// Keeps `delta` (from `base`, whose state is `was`, to `v`, whose state is `whole`)
+    /// for nodes running `base`, when it makes exactly the whole version: taken against
+    /// the version it was computed from and carrying every difference. Otherwise nodes
+    /// get the whole version.
+    pub(super) fn offer_delta(
+        &self,
+        base: &Version,
+        v: &Version,
+        delta: CredentialsDelta,
+        was: &Credentials,
+        whole: &Credentials,
+    ) {
+        let doc = match DeltaDoc::new(delta, self.store.signer()) {
+            Ok(doc) => doc,
+            Err(e) => {
+                eprintln!("posternctl serve: credentials v{}: no delta: {e}", v.number);
+                return;
+            }
+        };
+        let exact = v.number == base.number + 1 && was.with_delta(&doc.delta).same_state(whole);
+        if !exact {
+            eprintln!("posternctl serve: credentials v{} goes whole (not as a delta of v{})", v.number, base.number);
+            return;
+        }
+        if let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
+            deltas.push_back((base.number, v.number, Bytes::from(bytes)));
+            if deltas.len() > DELTAS_KEPT {
+                deltas.pop_front();
+            }
+        }
+    }
+
+    /// Publishes flags after every applied batch, and every few seconds anyway (a flag
+    /// another instance raised, a publish that failed).
+    pub(super) async fn flag_loop(self: Arc<Self>) {
+        loop {
+            let _ = tokio::time::timeout(FLAG_PASS, self.quota.wake.notified()).await;
+            if let Err(e) = self.publish_flags().await {
+                eprintln!("posternctl serve: over-quota flags: {e}");
+            }
+        }
+    }
+
+    /// Posts every quota event not yet taken to the webhook, oldest first, each as one
+    /// JSON document whose `id` a receiver dedupes on; a failed delivery is tried again
+    /// with a backoff doubling to 5 minutes. Never on the intake's path.
+    pub(super) async fn webhook_loop(self: Arc<Self>, url: String) {
+        let Some(usage) = self.usage.clone() else { return };
+        let client = match postern_model::tls::client(None) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("posternctl serve: quota webhook: {e}");
+                return;
+            }
+        };
+        loop {
+            tokio::time::sleep(WEBHOOK_PASS).await;
+            let now = unix_now();
+            let due = match blocking(&usage, move |u| u.events(0, 100, Some(now))).await {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("posternctl serve: quota webhook: {e}");
+                    continue;
+                }
+            };
+            for event in due {
+                let result = deliver(&client, &url, &event).await;
+                let ok = result.is_ok();
+                if let Err(e) = &result {
+                    eprintln!("posternctl serve: quota webhook: event {}: {e}", event.id);
+                }
+                let backoff = 1u64 << event.attempts.min(9);
+                let next = now + backoff.min(WEBHOOK_MAX_BACKOFF_S);
+                let id = event.id;
+                if let Err(e) = blocking(&usage, move |u| u.delivered(id, ok, next)).await {
+                    eprintln!("posternctl serve: quota webhook: {e}");
+                }
+                if !ok {
+                    // The receiver is down: the rest waits for the next pass.
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// The webhook's body: a CloudEvents-style envelope around the event.
+fn envelope(event: &QuotaEvent) -> serde_json::Value {
+    serde_json::json!({
+        "specversion": "1.0",
+        "id": format!("quota-{}", event.id),
+        "source": "postern/quota",
+        "type": format!("postern.{}", event.kind),
+        "time": event.at,
+        "data": event,
+    })
+}
+
+async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &QuotaEvent) -> Result<(), String> {
+    let body = Bytes::from(envelope(event).to_string());
+    let req = Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/cloudevents+json")
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+        .await
+        .map_err(|_| "no answer in 10 s".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let _ = resp.into_body().collect().await;
+    if status.is_success() { Ok(()) } else { Err(format!("answered {}", status.as_u16())) }
+}
+
+async fn blocking<T: Send + 'static>(
+    usage: &Arc<UsageStore>,
+    f: impl FnOnce(&UsageStore) -> rusqlite::Result<T> + Send + 'static,
+) -> Result<T, String> {
+    let usage = usage.clone();
+    match tokio::task::spawn_blocking(move || f(&usage)).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("usage store: {e}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
