@@ -4,11 +4,24 @@ CARGO ?= cargo
 TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 GUESTS := examples/filters/Cargo.toml tests/filters/Cargo.toml tests/filters-std/Cargo.toml
 
-.PHONY: setup build filters test demo bench bench-load clean
+.PHONY: setup kafka-broker build filters test demo bench bench-load clean
 
-# Toolchain pieces the build needs (idempotent): the Wasm target for filters.
+# What the build needs (idempotent; installs persist outside the clone): the Wasm
+# target for filters, cmake and the curl headers for the bundled librdkafka (Debian).
 setup:
 	@rustup target list --installed | grep -q '^wasm32-wasip2$$' || rustup target add wasm32-wasip2
+	@command -v cmake >/dev/null && dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || \
+		{ echo "==> installing cmake and libcurl4-openssl-dev (librdkafka's build)"; \
+		  apt-get install -y -q cmake libcurl4-openssl-dev >/dev/null || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q cmake libcurl4-openssl-dev >/dev/null; }; }
+
+# The Kafka-protocol broker the usage stream's tests run: `tansu`, from crates.io
+# (~10 min the first time; kept in cargo's bin folder, outside the clone).
+TANSU_VERSION := 0.6.0
+kafka-broker:
+	@command -v tansu >/dev/null || test -x $${CARGO_HOME:-$$HOME/.cargo}/bin/tansu || \
+		{ echo "==> installing the tansu Kafka broker $(TANSU_VERSION) (tests of the usage stream)"; \
+		  $(CARGO) install tansu --version $(TANSU_VERSION) --locked --features dynostore,postgres; }
 
 build: setup
 	$(CARGO) build --workspace --bins
@@ -22,7 +35,7 @@ filters: setup
 
 # The whole suite: formatting, lints, unit tests, filter tests, and end-to-end tests that
 # start real processes on 127.0.0.1 (they need the binaries and filters built first).
-test: setup
+test: setup kafka-broker
 	$(CARGO) fmt --all -- --check
 	for m in $(GUESTS) filter-sdk/guest/Cargo.toml; do $(CARGO) fmt --manifest-path $$m --all -- --check || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

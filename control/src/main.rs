@@ -121,6 +121,27 @@ enum Command {
         /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer).
         #[arg(long, value_name = "URL")]
         quota_webhook: Option<String>,
+        /// Also consume nodes' usage windows from Kafka (`host:port,...`; nodes started
+        /// with the same --usage-kafka write them there), as a consumer group; the topic
+        /// is made if it is missing.
+        #[arg(long, value_name = "BROKERS")]
+        usage_kafka: Option<String>,
+        /// The usage topic.
+        #[arg(long, default_value = postern_model::usage::KAFKA_TOPIC, value_name = "TOPIC")]
+        usage_kafka_topic: String,
+        /// The consumer group (every quota service instance of a fleet joins it).
+        #[arg(long, default_value = "postern-usage", value_name = "GROUP")]
+        usage_kafka_group: String,
+        /// Partitions of the topic, when it is made here.
+        #[arg(long, default_value_t = 12, value_name = "N")]
+        usage_kafka_partitions: i32,
+        /// Replication factor of the topic, when it is made here.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        usage_kafka_replication: i32,
+        /// A librdkafka setting for the consumer (`security.protocol=SSL`, `sasl.username=…`);
+        /// repeat for more.
+        #[arg(long, value_name = "KEY=VALUE")]
+        usage_kafka_option: Vec<String>,
     },
     /// Usage per key, route and time, from the control plane's usage store; `reconcile`
     /// and `export` close a billing period.
@@ -832,7 +853,25 @@ fn main() -> ExitCode {
             publish_dir,
             usage_db,
             quota_webhook,
+            usage_kafka,
+            usage_kafka_topic,
+            usage_kafka_group,
+            usage_kafka_partitions,
+            usage_kafka_replication,
+            usage_kafka_option,
         } => {
+            let options = match postern_model::usage::kafka_options(&usage_kafka_option) {
+                Ok(o) => o,
+                Err(e) => return report(Err(anyhow::anyhow!(e))),
+            };
+            let usage_kafka = usage_kafka.map(|brokers| posternctl::serve::UsageKafka {
+                brokers,
+                topic: usage_kafka_topic,
+                group: usage_kafka_group,
+                partitions: usage_kafka_partitions,
+                replication: usage_kafka_replication,
+                options,
+            });
             let rollout = posternctl::rollout::RolloutSettings {
                 dwell,
                 canary_nodes,
@@ -853,6 +892,7 @@ fn main() -> ExitCode {
                 publish_dir,
                 usage_db,
                 quota_webhook,
+                usage_kafka,
             };
             report(serve(settings, &store, signing_key.as_deref()))
         }

@@ -34,8 +34,9 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 use tokio::sync::watch;
 
-use postern_model::protocol::{self, Ack, MAX_WAIT_S, Poll};
+use postern_model::protocol::{self, Ack, MAX_WAIT_S, Poll, UsageAck};
 use postern_model::report::{Report, RouteCounts, Watch};
+use postern_model::usage::Window;
 
 use crate::keyservice::Op;
 use crate::rollout::{NodeView, Rollout, RolloutSettings, Step};
@@ -43,6 +44,9 @@ use crate::store::{Change, Lane, Store, Version};
 use crate::usage::{ApplyError, By, Query, UsageStore};
 
 mod quota;
+mod stream;
+
+pub use stream::UsageKafka;
 
 /// A node counts as live while it polled within this long.
 const LIVE_FOR: Duration = Duration::from_secs(60);
@@ -92,6 +96,8 @@ pub struct ServeSettings {
     pub usage_db: Option<PathBuf>,
     /// Where quota events (80 % and 100 % of a quota) are posted.
     pub quota_webhook: Option<String>,
+    /// The usage stream on Kafka, consumed into the usage store beside the HTTP intake.
+    pub usage_kafka: Option<UsageKafka>,
 }
 
 /// One admin token.
@@ -149,6 +155,8 @@ struct Server {
     usage: Option<Arc<UsageStore>>,
     /// Quotas, over-quota flags and quota events.
     quota: quota::QuotaService,
+    /// The Kafka consumer's counters, when it runs.
+    stream: stream::StreamStats,
 }
 
 /// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
@@ -238,6 +246,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         deltas: Mutex::new(std::collections::VecDeque::new()),
         publish_dir: settings.publish_dir,
         quota: quota::QuotaService::new(settings.quota_webhook),
+        stream: stream::StreamStats::default(),
     });
     let tls = match &settings.tls {
         Some((cert, key)) => {
@@ -263,6 +272,13 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         if let Some(url) = server.quota.webhook.clone() {
             tokio::spawn(server.clone().webhook_loop(url));
         }
+        if let Some(kafka) = settings.usage_kafka {
+            let consumer = stream::consumer(&kafka).await?;
+            eprintln!("posternctl serve: consuming usage from Kafka topic {} at {}", kafka.topic, kafka.brokers);
+            tokio::spawn(server.clone().consume_usage(consumer));
+        }
+    } else if settings.usage_kafka.is_some() {
+        anyhow::bail!("--usage-kafka needs a usage store (--usage-db)");
     }
     // Bounded: open connections (every node holds two long polls), the time a request
     // head may take, the wait between requests on a kept-alive connection (both the
@@ -409,6 +425,15 @@ impl Server {
                     Err(e) => e,
                 }
             }
+            (Method::GET, ["v1", "nodes", node, "usage", "missing"]) if is_node => {
+                let node = (*node).to_owned();
+                self.usage_read(move |u| {
+                    u.missing(&node).map(|missing| {
+                        serde_json::to_value(protocol::UsageAck { missing, ..Default::default() }).unwrap_or_default()
+                    })
+                })
+                .await
+            }
             (Method::POST, ["v1", "nodes", node, "report"]) if is_node => {
                 let node = (*node).to_owned();
                 match read_json::<Report>(req).await {
@@ -468,6 +493,9 @@ impl Server {
                 let now = postern_model::disk::unix_now();
                 self.usage_read(move |u| u.live_flags(now).map(|f| serde_json::json!({ "over_quota": f }))).await
             }
+            (Method::GET, ["v1", "usage", "stream"]) if role == "platform" => {
+                json(StatusCode::OK, &self.stream.to_json())
+            }
             (Method::GET, ["v1", "usage", "nodes"]) if role == "platform" => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
             }
@@ -521,24 +549,26 @@ impl Server {
                 return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));
             }
         }
-        let quotas = match self.quotas().await {
-            Ok(q) => q,
-            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("quotas: {e}")),
-        };
-        let now = postern_model::disk::unix_now();
-        let applied = tokio::task::spawn_blocking(move || store.apply(&batch.windows, now, &quotas)).await;
-        match applied {
-            Ok(Ok(ack)) => {
-                self.quota.wake.notify_one();
-                json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default())
-            }
-            Ok(Err(e @ ApplyError::Conflict { .. })) => {
+        match self.apply_usage(store, batch.windows).await {
+            Ok(ack) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
+            Err(e @ ApplyError::Conflict { .. }) => {
                 eprintln!("posternctl serve: {e}");
                 error(StatusCode::CONFLICT, e.to_string())
             }
-            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
+    }
+
+    /// Applies checked windows (from the intake or the Kafka stream) in one transaction,
+    /// with the quotas as published now, and wakes the flag publisher.
+    async fn apply_usage(&self, store: Arc<UsageStore>, windows: Vec<Window>) -> Result<UsageAck, ApplyError> {
+        let quotas = self.quotas().await.map_err(|e| ApplyError::Unavailable(format!("quotas: {e}")))?;
+        let now = postern_model::disk::unix_now();
+        let ack = tokio::task::spawn_blocking(move || store.apply(&windows, now, &quotas))
+            .await
+            .map_err(|e| ApplyError::Unavailable(e.to_string()))??;
+        self.quota.wake.notify_one();
+        Ok(ack)
     }
 
     /// Runs `f` on the usage store off the async workers.

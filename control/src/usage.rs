@@ -48,6 +48,9 @@ pub enum ApplyError {
     /// The database failed.
     #[error("usage store: {0}")]
     Sql(#[from] rusqlite::Error),
+    /// Something the apply needs is not there now (the quotas, a worker thread).
+    #[error("usage store: {0}")]
+    Unavailable(String),
 }
 
 /// How [`UsageStore::query`] groups rows.
@@ -260,6 +263,49 @@ pub struct QuotaEvent {
     pub attempts: u64,
 }
 
+/// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
+/// it was applied, to tell a re-send (the same bytes) from a renumbering node.
+const APPLIED: &str = "CREATE TABLE IF NOT EXISTS applied (
+    node TEXT NOT NULL, seq INTEGER NOT NULL, part INTEGER NOT NULL, parts INTEGER NOT NULL,
+    start INTEGER NOT NULL, recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
+    raw BLOB NOT NULL, PRIMARY KEY (node, seq, part)) WITHOUT ROWID;";
+
+/// Rewrites a whole-window `applied` table as parts ([`Window::split`]).
+fn migrate_applied(conn: &Connection) -> anyhow::Result<()> {
+    let tx = conn.unchecked_transaction()?;
+    tx.execute_batch(&format!("ALTER TABLE applied RENAME TO applied_by_window; {APPLIED}"))?;
+    {
+        let mut read = tx.prepare("SELECT raw, received FROM applied_by_window")?;
+        let mut insert = tx.prepare(
+            "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            let raw: Vec<u8> = r.get(0)?;
+            let received: i64 = r.get(1)?;
+            let w: Window = serde_json::from_slice(&raw)?;
+            for p in w.split() {
+                let calls: u64 = p.rows.iter().map(|r| r.calls()).sum();
+                insert.execute(params![
+                    p.node,
+                    sql_int(p.seq),
+                    p.part,
+                    p.parts,
+                    sql_int(p.start),
+                    p.recovered,
+                    sql_int(calls),
+                    received,
+                    serde_json::to_vec(&p)?
+                ])?;
+            }
+        }
+    }
+    tx.execute_batch("DROP TABLE applied_by_window")?;
+    tx.commit()?;
+    Ok(())
+}
+
 fn hist_cols(prefix: &str) -> String {
     (0..LATENCY_BUCKETS).map(|i| format!("{prefix}h{i}")).collect::<Vec<_>>().join(", ")
 }
@@ -271,12 +317,16 @@ impl UsageStore {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        // A store made before windows were applied by part has `applied` keyed by
+        // (node, seq): its windows are split into their parts once, in one transaction.
+        let by_window = conn.prepare("SELECT seq FROM applied LIMIT 0").is_ok()
+            && conn.prepare("SELECT part FROM applied LIMIT 0").is_err();
+        if by_window {
+            migrate_applied(&conn)?;
+        }
         let hist_decl = (0..LATENCY_BUCKETS).map(|i| format!("h{i} INTEGER NOT NULL")).collect::<Vec<_>>().join(", ");
         conn.execute_batch(&format!(
-            "CREATE TABLE IF NOT EXISTS applied (
-                node TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
-                recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
-                raw BLOB NOT NULL, PRIMARY KEY (node, seq)) WITHOUT ROWID;
+            "{APPLIED}
              CREATE TABLE IF NOT EXISTS totals (
                 caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, period TEXT NOT NULL,
                 billable INTEGER NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
@@ -342,8 +392,8 @@ impl UsageStore {
         let mut ack = UsageAck::default();
         {
             let mut mark = tx.prepare_cached(
-                "INSERT INTO applied (node, seq, start, recovered, calls, received, raw)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+                "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
             )?;
             let mut reopen = tx.prepare_cached(
                 "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
@@ -366,75 +416,88 @@ impl UsageStore {
                    s3 = s3 + excluded.s3, s4 = s4 + excluded.s4, s5 = s5 + excluded.s5,
                    latency_us = latency_us + excluded.latency_us, {adds}"
             ))?;
-            for w in windows {
-                let raw = serde_json::to_vec(w).unwrap_or_default();
-                let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
-                let fresh = mark.execute(params![
-                    w.node,
-                    sql_int(w.seq),
-                    sql_int(w.start),
-                    w.recovered,
-                    sql_int(calls),
-                    sql_int(now),
-                    raw
-                ])? == 1;
-                if !fresh {
-                    // The same (node, seq) with other contents is not a re-send: the node
-                    // lost its spool and numbers again from 1. Nothing of the batch is
-                    // applied; the operator gives the node a new id.
+            for delivery in windows {
+                // Each part once: a delivery adds what is new in it, and is a duplicate
+                // if nothing is.
+                let mut fresh_parts = Vec::new();
+                for w in delivery.split() {
+                    let raw = serde_json::to_vec(&w).unwrap_or_default();
+                    let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
+                    let fresh = mark.execute(params![
+                        w.node,
+                        sql_int(w.seq),
+                        w.part,
+                        w.parts,
+                        sql_int(w.start),
+                        w.recovered,
+                        sql_int(calls),
+                        sql_int(now),
+                        raw
+                    ])? == 1;
+                    if fresh {
+                        fresh_parts.push(w);
+                        continue;
+                    }
+                    // The same (node, seq, part) with other contents is not a re-send: the
+                    // node lost its spool and numbers again from 1. Nothing of the batch
+                    // is applied; the operator gives the node a new id.
                     let known: Vec<u8> = tx.query_row(
-                        "SELECT raw FROM applied WHERE node = ?1 AND seq = ?2",
-                        params![w.node, sql_int(w.seq)],
+                        "SELECT raw FROM applied WHERE node = ?1 AND seq = ?2 AND part = ?3",
+                        params![w.node, sql_int(w.seq), w.part],
                         |r| r.get(0),
                     )?;
                     if known != raw {
                         return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
                     }
+                }
+                if fresh_parts.is_empty() {
                     ack.duplicates += 1;
                     tx.execute(
                         "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
                          ON CONFLICT DO UPDATE SET windows = windows + 1",
-                        params![w.node],
+                        params![delivery.node],
                     )?;
                     continue;
                 }
                 ack.applied += 1;
-                let (period, _, _) = month_period(w.start);
-                // A window of a period already final reopens it: the export waits for the
-                // next reconcile.
-                reopen.execute(params![period])?;
-                let minute_start = sql_int(w.start - w.start % 60);
-                for r in &w.rows {
-                    let s = r.status.map(sql_int);
-                    let billable = r.billable();
-                    let overshoot = match quotas.of(r.kind, &r.caller) {
-                        Some(q) if billable > 0 => use_quota(&tx, r, q, w.start, billable, now)?,
-                        _ => 0,
-                    };
-                    total.execute(params![
-                        r.caller,
-                        r.kind.as_str(),
-                        r.product,
-                        period,
-                        sql_int(billable - overshoot),
-                        s[0],
-                        s[1],
-                        s[2],
-                        s[3],
-                        s[4],
-                        sql_int(overshoot)
-                    ])?;
-                    let mut values: Vec<Box<dyn rusqlite::ToSql>> = vec![
-                        Box::new(r.caller.clone()),
-                        Box::new(r.kind.as_str()),
-                        Box::new(r.route.clone()),
-                        Box::new(r.product.clone()),
-                        Box::new(minute_start),
-                    ];
-                    values.extend(s.iter().map(|&n| Box::new(n) as Box<dyn rusqlite::ToSql>));
-                    values.push(Box::new(sql_int(r.latency_us)));
-                    values.extend(r.latency.iter().map(|&n| Box::new(sql_int(n)) as Box<dyn rusqlite::ToSql>));
-                    minute.execute(rusqlite::params_from_iter(values.iter()))?;
+                for w in &fresh_parts {
+                    let (period, _, _) = month_period(w.start);
+                    // A window of a period already final reopens it: the export waits for the
+                    // next reconcile.
+                    reopen.execute(params![period])?;
+                    let minute_start = sql_int(w.start - w.start % 60);
+                    for r in &w.rows {
+                        let s = r.status.map(sql_int);
+                        let billable = r.billable();
+                        let overshoot = match quotas.of(r.kind, &r.caller) {
+                            Some(q) if billable > 0 => use_quota(&tx, r, q, w.start, billable, now)?,
+                            _ => 0,
+                        };
+                        total.execute(params![
+                            r.caller,
+                            r.kind.as_str(),
+                            r.product,
+                            period,
+                            sql_int(billable - overshoot),
+                            s[0],
+                            s[1],
+                            s[2],
+                            s[3],
+                            s[4],
+                            sql_int(overshoot)
+                        ])?;
+                        let mut values: Vec<Box<dyn rusqlite::ToSql>> = vec![
+                            Box::new(r.caller.clone()),
+                            Box::new(r.kind.as_str()),
+                            Box::new(r.route.clone()),
+                            Box::new(r.product.clone()),
+                            Box::new(minute_start),
+                        ];
+                        values.extend(s.iter().map(|&n| Box::new(n) as Box<dyn rusqlite::ToSql>));
+                        values.push(Box::new(sql_int(r.latency_us)));
+                        values.extend(r.latency.iter().map(|&n| Box::new(sql_int(n)) as Box<dyn rusqlite::ToSql>));
+                        minute.execute(rusqlite::params_from_iter(values.iter()))?;
+                    }
                 }
             }
         }
@@ -531,22 +594,36 @@ impl UsageStore {
     pub fn nodes(&self) -> rusqlite::Result<Vec<NodeWindows>> {
         let conn = self.lock();
         let mut stmt = conn.prepare_cached(
-            "SELECT a.node, COUNT(*), MAX(a.seq), SUM(a.recovered), COALESCE(MAX(d.windows), 0)
+            "SELECT a.node, COUNT(DISTINCT a.seq), MAX(a.seq), COUNT(DISTINCT CASE WHEN a.recovered THEN a.seq END),
+                    COALESCE(MAX(d.windows), 0)
              FROM applied a LEFT JOIN duplicates d ON d.node = a.node GROUP BY a.node ORDER BY a.node",
         )?;
-        let rows = stmt.query_map([], |r| {
-            let windows = r.get::<_, i64>(1)?.max(0) as u64;
-            let last_seq = r.get::<_, i64>(2)?.max(0) as u64;
-            Ok(NodeWindows {
-                node: r.get(0)?,
-                windows,
-                last_seq,
-                missing: last_seq.saturating_sub(windows),
-                recovered: r.get::<_, i64>(3)?.max(0) as u64,
-                duplicates: r.get::<_, i64>(4)?.max(0) as u64,
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(NodeWindows {
+                    node: r.get(0)?,
+                    windows: r.get::<_, i64>(1)?.max(0) as u64,
+                    last_seq: r.get::<_, i64>(2)?.max(0) as u64,
+                    missing: 0,
+                    recovered: r.get::<_, i64>(3)?.max(0) as u64,
+                    duplicates: r.get::<_, i64>(4)?.max(0) as u64,
+                })
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        drop(stmt);
+        rows.into_iter()
+            .map(|mut n| {
+                let (_, missing) = gaps(&conn, &n.node)?;
+                n.missing = missing.iter().map(|m| m.to - m.from + 1).sum();
+                Ok(n)
             })
-        })?;
-        rows.collect()
+            .collect()
+    }
+
+    /// `node`'s runs of missing window numbers (a window is missing until every part of
+    /// it is in), below the highest it has applied.
+    pub fn missing(&self, node: &str) -> rusqlite::Result<Vec<Missing>> {
+        Ok(gaps(&self.lock(), node)?.1)
     }
 
     /// Reconciles billing period `period` (`YYYY-MM`) at Unix second `now`: the period
@@ -567,7 +644,7 @@ impl UsageStore {
         }
         let counted: Vec<(String, u64, u64)> = {
             let mut stmt = tx.prepare_cached(
-                "SELECT node, COUNT(*), SUM(calls) FROM applied WHERE start >= ?1 AND start < ?2
+                "SELECT node, COUNT(DISTINCT seq), SUM(calls) FROM applied WHERE start >= ?1 AND start < ?2
                  GROUP BY node ORDER BY node",
             )?;
             stmt.query_map(params![sql_int(start), sql_int(end)], |r| {
@@ -635,15 +712,6 @@ impl UsageStore {
             ))),
             None => Ok(Err(format!("period {period} was never reconciled"))),
         }
-    }
-
-    /// A window as applied, by (node, seq).
-    pub fn window(&self, node: &str, seq: u64) -> rusqlite::Result<Option<Vec<u8>>> {
-        let conn = self.lock();
-        conn.query_row("SELECT raw FROM applied WHERE node = ?1 AND seq = ?2", params![node, sql_int(seq)], |r| {
-            r.get(0)
-        })
-        .optional()
     }
 }
 
@@ -858,27 +926,44 @@ fn advance(tx: &rusqlite::Transaction<'_>, node: &str) -> rusqlite::Result<Vec<M
     Ok(missing)
 }
 
-/// `node`'s contiguous mark as the applied numbers have it now, and the gaps above it.
+/// `node`'s contiguous mark as the applied numbers have it now, and the gaps above it: the
+/// numbers never seen and those with parts still to come.
 fn gaps(conn: &Connection, node: &str) -> rusqlite::Result<(u64, Vec<Missing>)> {
     let mut mark: u64 = conn
         .query_row("SELECT seq FROM contiguous WHERE node = ?1", params![node], |r| r.get::<_, i64>(0))
         .optional()?
         .map_or(0, |n| n.max(0) as u64);
-    let mut stmt =
-        conn.prepare_cached("SELECT seq FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq LIMIT 100000")?;
-    let above: Vec<u64> = stmt
-        .query_map(params![node, sql_int(mark)], |r| r.get::<_, i64>(0))?
-        .map(|s| s.map(|n| n.max(0) as u64))
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, COUNT(*) >= MAX(parts) FROM applied WHERE node = ?1 AND seq > ?2
+         GROUP BY seq ORDER BY seq LIMIT 100000",
+    )?;
+    let above: Vec<(u64, bool)> = stmt
+        .query_map(params![node, sql_int(mark)], |r| Ok((r.get::<_, i64>(0)?.max(0) as u64, r.get::<_, bool>(1)?)))?
         .collect::<rusqlite::Result<_>>()?;
-    let mut missing = Vec::new();
-    let mut prev = mark;
-    for seq in above {
-        if seq == prev + 1 && prev == mark {
-            mark = seq;
-        } else if seq > prev + 1 && missing.len() < MISSING_RANGES {
-            missing.push(Missing { node: node.to_owned(), from: prev + 1, to: seq - 1 });
+    let mut missing: Vec<Missing> = Vec::new();
+    let mut lack = |from: u64, to: u64| {
+        let full = missing.len() >= MISSING_RANGES;
+        match missing.last_mut() {
+            Some(last) if last.to + 1 == from => last.to = to,
+            _ if !full => missing.push(Missing { node: node.to_owned(), from, to }),
+            _ => {}
         }
-        prev = seq;
+    };
+    // The lowest number not looked at yet, and whether all below it are in.
+    let mut next = mark + 1;
+    let mut whole = true;
+    for (seq, complete) in above {
+        if seq > next {
+            whole = false;
+            lack(next, seq - 1);
+        }
+        if !complete {
+            whole = false;
+            lack(seq, seq);
+        } else if whole {
+            mark = seq;
+        }
+        next = seq + 1;
     }
     Ok((mark, missing))
 }
@@ -1014,7 +1099,7 @@ mod tests {
     }
 
     fn window(node: &str, seq: u64, start: u64, rows: Vec<Row>) -> Window {
-        Window { node: node.into(), seq, start, recovered: false, rows }
+        Window::new(node.into(), seq, start, false, rows)
     }
 
     // 2026-12-01T00:00:00Z.
@@ -1097,6 +1182,74 @@ mod tests {
         assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC, &Quotas::default()).unwrap()), vec![]);
         assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
         assert_eq!(store.nodes().unwrap()[0].missing, 0);
+    }
+
+    #[test]
+    fn parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let q = Quotas::default();
+        let whole = |seq| {
+            window(
+                "a",
+                seq,
+                DEC + seq * 10,
+                vec![row("k2", "search/query", [0, 2, 0, 0, 0], 1), row("k1", "search/query", [0, 1, 0, 0, 0], 1)],
+            )
+        };
+        let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
+        // Window 1 whole (HTTP); window 2 by parts (Kafka), one part late.
+        assert_eq!(store.apply(&[whole(1)], DEC, &q).unwrap().applied, 1);
+        let parts = whole(2).split();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(missing(store.apply(&[parts[1].clone()], DEC, &q).unwrap()), vec![(2, 2)]);
+        assert_eq!(missing(store.apply(&[whole(3).split()[0].clone()], DEC, &q).unwrap()), vec![(2, 3)]);
+        assert_eq!(store.nodes().unwrap()[0].missing, 2);
+        // The whole window 2 sent again adds only its missing part.
+        let ack = store.apply(&[whole(2)], DEC, &q).unwrap();
+        assert_eq!((ack.applied, ack.duplicates, missing(ack)), (1, 0, vec![(3, 3)]));
+        // Window 1's parts, as Kafka carries them: duplicates.
+        let ack = store.apply(&whole(1).split(), DEC, &q).unwrap();
+        assert_eq!((ack.applied, ack.duplicates), (0, 2));
+        let ack = store.apply(&whole(3).split(), DEC, &q).unwrap();
+        assert_eq!((ack.applied, ack.duplicates, missing(ack)), (1, 1, vec![]));
+        let billed = |k| store.totals("2026-12", Some(k)).unwrap()[0].billable;
+        assert_eq!((billed("k1"), billed("k2")), (3, 6));
+        let n = &store.nodes().unwrap()[0];
+        assert_eq!((n.windows, n.last_seq, n.missing, n.duplicates), (3, 3, 0, 3));
+    }
+
+    #[test]
+    fn a_store_of_whole_windows_is_rewritten_as_parts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("usage.db");
+        let w = window(
+            "a",
+            1,
+            DEC,
+            vec![row("k2", "search/query", [0, 2, 0, 0, 0], 1), row("k1", "search/query", [0, 1, 0, 0, 0], 1)],
+        );
+        {
+            // The table as it was before parts.
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE applied (
+                    node TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
+                    recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
+                    raw BLOB NOT NULL, PRIMARY KEY (node, seq)) WITHOUT ROWID;",
+            )
+            .unwrap();
+            conn.execute(
+                "INSERT INTO applied VALUES ('a', 1, ?1, 0, 3, ?1, ?2)",
+                params![sql_int(DEC), serde_json::to_vec(&w).unwrap()],
+            )
+            .unwrap();
+        }
+        let store = UsageStore::open(&path).unwrap();
+        let ack = store.apply(std::slice::from_ref(&w), DEC, &Quotas::default()).unwrap();
+        assert_eq!((ack.applied, ack.duplicates), (0, 1));
+        let n = &store.nodes().unwrap()[0];
+        assert_eq!((n.windows, n.last_seq), (1, 1));
     }
 
     #[test]

@@ -139,6 +139,24 @@ pub struct Args {
     /// acknowledged windows make room; nothing spooled is dropped.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub usage_spool_max: u64,
+    /// Ship usage windows to Kafka (`host:port,...`) instead of the control plane's
+    /// intake: one message per window and caller, keyed by the caller, with the idempotent
+    /// producer; a window leaves the spool's unacknowledged part only once Kafka has every
+    /// part of it. With `--control` too, the node asks the control plane for windows the
+    /// usage store lacks and sends them again.
+    #[arg(long, value_name = "BROKERS")]
+    pub usage_kafka: Option<String>,
+    /// The usage topic.
+    #[arg(long, default_value = postern_model::usage::KAFKA_TOPIC, value_name = "TOPIC")]
+    pub usage_kafka_topic: String,
+    /// A librdkafka setting for the producer (`security.protocol=SSL`, `sasl.username=…`);
+    /// repeat for more.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub usage_kafka_option: Vec<String>,
+    /// How often, in seconds, a node on Kafka asks the control plane which of its
+    /// windows the usage store lacks (a run is sent again once two asks in a row name it).
+    #[arg(long, default_value_t = 30, value_name = "S")]
+    pub usage_kafka_missing_poll_s: u64,
     /// How long to let in-flight requests finish on shutdown, in seconds.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -663,7 +681,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         pool_threads: args.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
     })
     .context("cannot start the Wasm runtime")?;
-    let usage_dir = (args.usage_spool.is_some() || args.control.is_some())
+    let usage_dir = (args.usage_spool.is_some() || args.control.is_some() || args.usage_kafka.is_some())
         .then(|| args.usage_spool.clone().unwrap_or_else(|| snapshot_dir.join("usage-spool")));
     // A spool keeps its node's id: its windows are numbered for that node.
     let spool_owner = match &usage_dir {
@@ -750,12 +768,28 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let body_idle = Duration::from_secs(args.idle_timeout_s.max(1));
     let usage = match &usage_dir {
         Some(dir) => {
-            let sink: Option<Box<dyn postern_usage::Sink>> = match &args.control {
-                Some(url) => Some(Box::new(
+            let http = match &args.control {
+                Some(url) => Some(
                     postern_usage::HttpSink::new(url, &token, args.control_ca.as_deref(), &node_id)
                         .context("the usage shipper")?,
-                )),
+                ),
                 None => None,
+            };
+            let sink: Option<Box<dyn postern_usage::Sink>> = match &args.usage_kafka {
+                Some(brokers) => {
+                    let settings = postern_usage::kafka::KafkaSettings {
+                        brokers: brokers.clone(),
+                        topic: args.usage_kafka_topic.clone(),
+                        options: postern_model::usage::kafka_options(&args.usage_kafka_option)
+                            .map_err(anyhow::Error::msg)?,
+                        missing_poll: Duration::from_secs(args.usage_kafka_missing_poll_s.max(1)),
+                    };
+                    Some(Box::new(
+                        postern_usage::kafka::KafkaSink::new(&settings, &node_id, http)
+                            .context("the usage stream (Kafka)")?,
+                    ))
+                }
+                None => http.map(|h| Box::new(h) as Box<dyn postern_usage::Sink>),
             };
             let settings = postern_usage::Settings {
                 node: node_id.clone(),
@@ -763,7 +797,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 limits: postern_usage::SpoolLimits::with_cap(args.usage_spool_max),
             };
             let usage = postern_usage::Usage::start(settings, sink).context("cannot start usage metering")?;
-            tracing::info!(node = %node_id, spool = %dir.display(), shipped_to = ?args.control, "usage metered");
+            let to = args.usage_kafka.as_ref().map(|b| format!("kafka {b}")).or_else(|| args.control.clone());
+            tracing::info!(node = %node_id, spool = %dir.display(), shipped_to = ?to, "usage metered");
             Some(usage)
         }
         None => None,

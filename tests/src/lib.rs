@@ -700,3 +700,152 @@ pub mod control_plane {
         }
     }
 }
+
+pub mod kafka {
+    //! A real Kafka-protocol broker for the usage stream's tests: `tansu` (installed by
+    //! `make setup`, from crates.io), in memory, on an ephemeral port of 127.0.0.1.
+    use std::path::PathBuf;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use super::Proc;
+
+    /// Where `tansu` is: on `PATH`, or where `cargo install` puts it.
+    pub fn tansu() -> PathBuf {
+        let on_path = std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .map(|d| d.join("tansu"))
+            .find(|p| p.is_file());
+        let cargo_home = std::env::var_os("CARGO_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+        on_path.or_else(|| cargo_home.map(|c| c.join("bin/tansu")).filter(|p| p.is_file())).unwrap_or_else(|| {
+            panic!("the Kafka-protocol broker `tansu` is not installed: run `make setup` (make test does)")
+        })
+    }
+
+    /// A running broker, killed on drop.
+    pub struct Broker {
+        /// The process.
+        pub proc: Proc,
+        /// `127.0.0.1:port`, for `bootstrap.servers`.
+        pub addr: String,
+    }
+
+    impl Broker {
+        /// Starts a broker and waits until it takes connections.
+        pub fn start() -> Broker {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let url = format!("tcp://127.0.0.1:{port}");
+            let child = Command::new(tansu())
+                .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+                .args(["--storage-engine", "memory://tansu/"])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("tansu broker");
+            let mut proc = Proc { child };
+            let addr = format!("127.0.0.1:{port}");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while std::net::TcpStream::connect(&addr).is_err() {
+                assert!(proc.alive(), "tansu exited before it listened");
+                assert!(Instant::now() < deadline, "tansu did not listen within 20 s");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Broker { proc, addr }
+        }
+
+        /// Freezes the broker (SIGSTOP): connections stay open and nothing answers, as a
+        /// broker behind a partition or in a long pause looks to its clients.
+        pub fn freeze(&self) {
+            self.proc.signal(19);
+        }
+
+        /// Lets a frozen broker run again (SIGCONT).
+        pub fn thaw(&self) {
+            self.proc.signal(18);
+        }
+    }
+
+    impl Drop for Broker {
+        fn drop(&mut self) {
+            self.thaw();
+        }
+    }
+}
+
+pub mod usage {
+    //! What the usage tests share: billed calls, a node's spool state, and steady clients.
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+
+    use super::Node;
+    use super::control_plane::{ControlPlane, ctl};
+
+    /// Billable calls per key in the current period, from the control plane.
+    pub fn billed(cp: &ControlPlane) -> BTreeMap<String, u64> {
+        let v = ctl(cp, &["usage", "--json", "--by", "route"]);
+        let mut out = BTreeMap::new();
+        for r in v["rows"].as_array().cloned().unwrap_or_default() {
+            *out.entry(r["caller"].as_str().unwrap().to_owned()).or_default() += r["billable"].as_u64().unwrap();
+        }
+        out
+    }
+
+    /// The running node's usage state, from `/readyz`.
+    pub async fn spool_state(node: &Node) -> serde_json::Value {
+        super::get(&node.admin_url("/readyz"), &[]).await.json()["usage"].clone()
+    }
+
+    /// Calls `/search` as `key` until `stop`, on `conns` connections at once, resting
+    /// `pause` between calls; every call the client saw answered 2xx (body and all), with
+    /// the time it completed.
+    pub fn load(
+        port: u16,
+        key: String,
+        stop: Arc<AtomicBool>,
+        conns: usize,
+        pause: Duration,
+    ) -> tokio::task::JoinHandle<Vec<Instant>> {
+        tokio::spawn(async move {
+            let tasks: Vec<_> = (0..conns)
+                .map(|_| {
+                    let (key, stop) = (key.clone(), stop.clone());
+                    tokio::spawn(async move {
+                        let client = super::client();
+                        let mut ok = Vec::new();
+                        while !stop.load(Ordering::Relaxed) {
+                            let req = http::Request::get(format!("http://127.0.0.1:{port}/search"))
+                                .header("x-api-key", &key)
+                                .body(http_body_util::Full::new(Bytes::new()))
+                                .unwrap();
+                            match tokio::time::timeout(Duration::from_secs(2), client.request(req)).await {
+                                Ok(Ok(resp)) if resp.status().is_success() => {
+                                    if http_body_util::BodyExt::collect(resp.into_body()).await.is_ok() {
+                                        ok.push(Instant::now());
+                                    }
+                                }
+                                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                            }
+                            if !pause.is_zero() {
+                                tokio::time::sleep(pause).await;
+                            }
+                        }
+                        ok
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await.unwrap());
+            }
+            all
+        })
+    }
+}

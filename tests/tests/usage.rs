@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use postern_e2e::control_plane::*;
+use postern_e2e::usage::{billed, load, spool_state};
 use postern_e2e::{Echo, Node, Repo, bin, get, new_key, platform, send};
 
 const TEAM_T_ROUTES: &str = "routes:\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: search }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n";
@@ -44,26 +45,11 @@ async fn call(node: &Node, key: &str, status: u16) -> StatusCode {
     get(&node.url(&format!("/search?status={status}")), &[("x-api-key", key)]).await.status
 }
 
-/// Billable calls per key in the current period, from the control plane.
-fn billed(cp: &ControlPlane) -> BTreeMap<String, u64> {
-    let v = ctl(cp, &["usage", "--json", "--by", "route"]);
-    let mut out = BTreeMap::new();
-    for r in v["rows"].as_array().cloned().unwrap_or_default() {
-        *out.entry(r["caller"].as_str().unwrap().to_owned()).or_default() += r["billable"].as_u64().unwrap();
-    }
-    out
-}
-
 async fn post_usage(cp: &ControlPlane, token: Option<&str>, body: impl Into<Bytes>) -> (StatusCode, serde_json::Value) {
     let auth = token.map(|t| format!("Bearer {t}"));
     let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
     let r = send(Method::POST, &format!("{}/v1/usage", cp.url), &headers, body).await;
     (r.status, serde_json::from_slice(&r.body).unwrap_or(serde_json::Value::Null))
-}
-
-/// The running node's spool state, from `/readyz`.
-async fn spool_state(node: &Node) -> serde_json::Value {
-    get(&node.admin_url("/readyz"), &[]).await.json()["usage"].clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,43 +165,6 @@ async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
     drop(node);
 }
 
-/// Calls `/search` as `key` until `stop`, on `conns` connections at once; every call the
-/// client saw answered 2xx, with the time it completed.
-fn load(node_port: u16, key: String, stop: Arc<AtomicBool>, conns: usize) -> tokio::task::JoinHandle<Vec<Instant>> {
-    tokio::spawn(async move {
-        let tasks: Vec<_> = (0..conns)
-            .map(|_| {
-                let (key, stop) = (key.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let client = postern_e2e::client();
-                    let mut ok = Vec::new();
-                    while !stop.load(Ordering::Relaxed) {
-                        let req = http::Request::get(format!("http://127.0.0.1:{node_port}/search"))
-                            .header("x-api-key", &key)
-                            .body(http_body_util::Full::new(Bytes::new()))
-                            .unwrap();
-                        match tokio::time::timeout(Duration::from_secs(2), client.request(req)).await {
-                            Ok(Ok(resp)) if resp.status().is_success() => {
-                                // Seen once the whole answer is read.
-                                if http_body_util::BodyExt::collect(resp.into_body()).await.is_ok() {
-                                    ok.push(Instant::now());
-                                }
-                            }
-                            _ => tokio::time::sleep(Duration::from_millis(20)).await,
-                        }
-                    }
-                    ok
-                })
-            })
-            .collect();
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await.unwrap());
-        }
-        all
-    })
-}
-
 fn node_args<'a>(cp: &'a ControlPlane, key: &'a Path) -> Vec<&'a str> {
     vec![
         "--control",
@@ -240,7 +189,7 @@ async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothi
 
     // Load until a moment into a window, past at least one checkpoint; then kill -9.
     let stop = Arc::new(AtomicBool::new(false));
-    let first = load(node.public, key.clone(), stop.clone(), 4);
+    let first = load(node.public, key.clone(), stop.clone(), 4, Duration::ZERO);
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let into_window = unix_ms % 10_000;
@@ -262,7 +211,7 @@ async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothi
     let state = spool_state(&node).await;
     assert_eq!(state["node"], "node-0", "{state}");
     let stop = Arc::new(AtomicBool::new(false));
-    let second = load(node.public, key.clone(), stop.clone(), 4);
+    let second = load(node.public, key.clone(), stop.clone(), 4, Duration::ZERO);
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
     let after_restart = second.await.unwrap();

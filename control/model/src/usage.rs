@@ -21,6 +21,20 @@ pub const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_MS.len() + 1;
 /// Rows a window may hold at most (a node's 10 s of distinct callers × routes).
 pub const MAX_ROWS: usize = 1 << 20;
 
+/// The usage stream's Kafka topic unless told otherwise.
+pub const KAFKA_TOPIC: &str = "postern.usage";
+
+/// Parses `key=value` librdkafka settings (`--usage-kafka-option`).
+pub fn kafka_options(options: &[String]) -> Result<Vec<(String, String)>, String> {
+    options
+        .iter()
+        .map(|o| match o.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+            _ => Err(format!("Kafka setting {o:?}: give key=value")),
+        })
+        .collect()
+}
+
 /// The bucket of a latency in microseconds.
 pub fn latency_bucket(us: u64) -> usize {
     let ms = us / 1000;
@@ -90,8 +104,27 @@ pub struct Window {
     /// holds what was counted up to that checkpoint (at most a second before the crash).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recovered: bool,
+    /// Which part of the window this is (from 0), when it travels split by caller
+    /// ([`Window::split`]); a whole window is part 0 of 1.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub part: u32,
+    /// How many parts the whole window has (1: this is the whole window).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub parts: u32,
     /// One row per (caller, route) that answered a call in the window.
     pub rows: Vec<Row>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 /// Calls of one caller on one route within a window.
@@ -142,6 +175,48 @@ pub enum WindowError {
 }
 
 impl Window {
+    /// A whole window, part 0 of 1.
+    pub fn new(node: String, seq: u64, start: u64, recovered: bool, rows: Vec<Row>) -> Window {
+        Window { node, seq, start, recovered, part: 0, parts: 1, rows }
+    }
+
+    /// The window split by caller, the unit the usage store applies once and the usage
+    /// stream keys by caller: one part per (kind, caller), in that order, each with the
+    /// caller's rows in their order here; a window without rows is one empty part. The
+    /// same window always splits into the same parts, so a part sent again is
+    /// recognised whichever way it travelled. A part splits into itself.
+    pub fn split(&self) -> Vec<Window> {
+        if self.parts != 1 {
+            return vec![self.clone()];
+        }
+        let mut callers: Vec<(CallerKind, &str)> = self.rows.iter().map(|r| (r.kind, r.caller.as_str())).collect();
+        callers.sort_unstable_by(|a, b| (a.0.as_str(), a.1).cmp(&(b.0.as_str(), b.1)));
+        callers.dedup();
+        if callers.len() <= 1 {
+            return vec![self.clone()];
+        }
+        let parts = u32::try_from(callers.len()).unwrap_or(u32::MAX);
+        callers
+            .iter()
+            .enumerate()
+            .map(|(i, &(kind, caller))| Window {
+                node: self.node.clone(),
+                seq: self.seq,
+                start: self.start,
+                recovered: self.recovered,
+                part: u32::try_from(i).unwrap_or(u32::MAX),
+                parts,
+                rows: self.rows.iter().filter(|r| r.kind == kind && r.caller == caller).cloned().collect(),
+            })
+            .collect()
+    }
+
+    /// The caller a part is about (`kind:caller`), the usage stream's message key; `None`
+    /// for a part without rows.
+    pub fn caller_key(&self) -> Option<String> {
+        self.rows.first().map(|r| format!("{}:{}", r.kind.as_str(), r.caller))
+    }
+
     /// Checks what JSON cannot: the sequence, alignment, row shapes and sums.
     pub fn check(&self) -> Result<(), WindowError> {
         let bad = |why: String| WindowError::Invalid { node: self.node.clone(), seq: self.seq, why };
@@ -150,6 +225,13 @@ impl Window {
         }
         if self.seq == 0 {
             return Err(bad("seq starts at 1".into()));
+        }
+        if self.parts == 0 || self.part >= self.parts || self.parts as usize > MAX_ROWS {
+            return Err(bad(format!("part {} of {}: give 0 <= part < parts <= {MAX_ROWS}", self.part, self.parts)));
+        }
+        if self.parts > 1 && self.rows.iter().any(|r| (r.kind, &r.caller) != (self.rows[0].kind, &self.rows[0].caller))
+        {
+            return Err(bad("a part holds one caller's rows".into()));
         }
         if !self.start.is_multiple_of(WINDOW_S) {
             return Err(bad(format!("start {} is not on a {WINDOW_S} s boundary", self.start)));
@@ -315,7 +397,7 @@ mod tests {
 
     #[test]
     fn a_window_is_checked_beyond_its_json() {
-        let w = Window { node: "n".into(), seq: 1, start: 20, recovered: false, rows: vec![row([0, 3, 0, 1, 0])] };
+        let w = Window::new("n".into(), 1, 20, false, vec![row([0, 3, 0, 1, 0])]);
         assert_eq!(w.check(), Ok(()));
         assert_eq!(w.rows[0].billable(), 3);
         let mut bad = w.clone();
@@ -330,6 +412,48 @@ mod tests {
         let mut bad = w;
         bad.rows[0].latency.pop();
         assert!(bad.check().is_err());
+    }
+
+    #[test]
+    fn kafka_settings_are_key_value() {
+        assert_eq!(
+            kafka_options(&["security.protocol=SSL".into(), "a=b=c".into()]),
+            Ok(vec![("security.protocol".into(), "SSL".into()), ("a".into(), "b=c".into())])
+        );
+        assert!(kafka_options(&["novalue".into()]).is_err());
+        assert!(kafka_options(&["=x".into()]).is_err());
+    }
+
+    #[test]
+    fn a_window_splits_by_caller_the_same_way_every_time() {
+        let mut a = row([0, 2, 0, 0, 0]);
+        a.caller = "zed".into();
+        let mut b = row([0, 1, 0, 0, 0]);
+        b.caller = "amy".into();
+        let mut c = row([0, 0, 0, 1, 0]);
+        c.caller = "zed".into();
+        c.route = "t/other".into();
+        let w = Window::new("n".into(), 7, 20, false, vec![a, b, c]);
+        let parts = w.split();
+        assert_eq!(parts.len(), 2);
+        assert_eq!((parts[0].part, parts[0].parts, parts[0].caller_key().as_deref()), (0, 2, Some("key:amy")));
+        assert_eq!((parts[1].part, parts[1].rows.len(), parts[1].caller_key().as_deref()), (1, 2, Some("key:zed")));
+        assert!(parts.iter().all(|p| p.check().is_ok() && p.seq == 7));
+        assert_eq!(parts, w.split());
+        assert_eq!(parts[1].split(), vec![parts[1].clone()]);
+        // A part's JSON names its place; a whole window's does not.
+        let json = serde_json::to_string(&parts[1]).unwrap_or_default();
+        assert!(json.contains("\"part\":1,\"parts\":2"), "{json}");
+        assert!(!serde_json::to_string(&w).unwrap_or_default().contains("part"));
+        let mut mixed = parts[1].clone();
+        mixed.rows.push(parts[0].rows[0].clone());
+        assert!(mixed.check().unwrap_err().to_string().contains("one caller"));
+        let mut out_of_range = parts[1].clone();
+        out_of_range.part = 2;
+        assert!(out_of_range.check().is_err());
+        let empty = Window::new("n".into(), 8, 20, true, Vec::new());
+        assert_eq!(empty.split(), vec![empty.clone()]);
+        assert_eq!(empty.caller_key(), None);
     }
 
     #[test]

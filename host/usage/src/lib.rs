@@ -11,6 +11,7 @@
 //! [`Sink`]. Neither ever runs on a request worker.
 #![deny(missing_docs)]
 
+pub mod kafka;
 pub mod meter;
 pub mod spool;
 
@@ -44,6 +45,12 @@ pub trait Sink: Send {
     /// acknowledged (applied or already applied), with the runs of this node's earlier
     /// numbers the far side says it never got (inclusive), for a re-send.
     fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String>;
+
+    /// Runs of this node's acknowledged numbers the far side says it lacks, asked for
+    /// while there is nothing new to send (a sink decides how often it really asks).
+    fn poll_missing(&mut self) -> Vec<(u64, u64)> {
+        Vec::new()
+    }
 }
 
 /// Counters shown in `/readyz` and `/metrics`.
@@ -215,13 +222,7 @@ impl Usage {
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         for (w, rows) in closed {
-            pending.push_back(Window {
-                node: self.node.clone(),
-                seq: 0,
-                start: w * WINDOW_S,
-                recovered: false,
-                rows: meter::to_rows(&rows),
-            });
+            pending.push_back(Window::new(self.node.clone(), 0, w * WINDOW_S, false, meter::to_rows(&rows)));
         }
         self.stats.pending.store(pending.len() as u64, Ordering::Relaxed);
     }
@@ -284,13 +285,9 @@ impl Usage {
             return;
         }
         let mut windows: Vec<Window> = pending.into_iter().collect();
-        windows.extend(open.iter().map(|(w, rows)| Window {
-            node: self.node.clone(),
-            seq: 0,
-            start: w * WINDOW_S,
-            recovered: false,
-            rows: meter::to_rows(rows),
-        }));
+        windows.extend(
+            open.iter().map(|(w, rows)| Window::new(self.node.clone(), 0, w * WINDOW_S, false, meter::to_rows(rows))),
+        );
         let cp = Checkpoint { next: self.lock_spool().next_seq(), windows };
         match serde_json::to_vec(&cp)
             .map_err(|e| e.to_string())
@@ -379,6 +376,10 @@ impl Usage {
                 if stopping {
                     return;
                 }
+                if again.is_none() {
+                    let missing = sink.poll_missing();
+                    self.chase(missing, &mut resend, &mut asked);
+                }
                 self.wait(&self.ship_stop, Duration::from_secs(1));
                 continue;
             };
@@ -406,19 +407,7 @@ impl Usage {
                             }
                         }
                     }
-                    let acked = self.lock_spool().acked();
-                    for (from, to) in missing {
-                        // Only what was acknowledged can be missing; each run once.
-                        let run = (from.max(1), to.min(acked));
-                        if run.0 <= run.1 && asked.insert(run) {
-                            tracing::warn!(
-                                from = run.0,
-                                to = run.1,
-                                "the usage store lacks windows: sending them again"
-                            );
-                            resend.push_back(run);
-                        }
-                    }
+                    self.chase(missing, &mut resend, &mut asked);
                 }
                 Err(e) => {
                     self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
@@ -434,6 +423,27 @@ impl Usage {
                     self.wait(&self.ship_stop, backoff);
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
+            }
+        }
+    }
+
+    /// Queues the runs the usage store lacks for a re-send: only what was acknowledged
+    /// can be missing, and each run goes again once.
+    fn chase(
+        &self,
+        missing: Vec<(u64, u64)>,
+        resend: &mut VecDeque<(u64, u64)>,
+        asked: &mut std::collections::BTreeSet<(u64, u64)>,
+    ) {
+        if missing.is_empty() {
+            return;
+        }
+        let acked = self.lock_spool().acked();
+        for (from, to) in missing {
+            let run = (from.max(1), to.min(acked));
+            if run.0 <= run.1 && asked.insert(run) {
+                tracing::warn!(from = run.0, to = run.1, "the usage store lacks windows: sending them again");
+                resend.push_back(run);
             }
         }
     }
@@ -498,6 +508,8 @@ impl Usage {
             "unacked": spool.unacked(),
             "spool_bytes": spool.bytes(),
             "pending": self.stats.pending.load(Ordering::Relaxed),
+            "shipped": self.stats.shipped.load(Ordering::Relaxed),
+            "ship_errors": self.stats.ship_errors.load(Ordering::Relaxed),
             "resent": self.stats.resent.load(Ordering::Relaxed),
             "resend_unavailable": self.stats.resend_unavailable.load(Ordering::Relaxed),
         })
@@ -516,6 +528,8 @@ pub struct HttpSink {
     rt: tokio::runtime::Runtime,
     client: postern_model::tls::ControlClient,
     url: String,
+    /// The control plane, `http(s)://host:port`.
+    base: String,
     token: String,
     /// The node whose missing windows it asks for.
     node: String,
@@ -533,8 +547,47 @@ impl HttpSink {
             rt,
             client,
             url: format!("{}{}", base.trim_end_matches('/'), postern_model::protocol::USAGE_PATH),
+            base: base.trim_end_matches('/').to_owned(),
             token: token.to_owned(),
             node: node.to_owned(),
+        })
+    }
+}
+
+impl HttpSink {
+    /// Asks the control plane which of this node's numbers the usage store lacks
+    /// (`GET /v1/nodes/<node>/usage/missing`).
+    pub fn missing(&mut self) -> Result<Vec<(u64, u64)>, String> {
+        let url = format!("{}/v1/nodes/{}/usage/missing", self.base, self.node);
+        let req = http::Request::get(&url).header(http::header::AUTHORIZATION, format!("Bearer {}", self.token));
+        self.exchange(url, req, bytes::Bytes::new())
+    }
+
+    /// Sends `req` with `body` and reads the [`UsageAck`](postern_model::protocol::UsageAck)
+    /// it is answered: the runs it names of this node's numbers.
+    fn exchange(
+        &mut self,
+        url: String,
+        req: http::request::Builder,
+        body: bytes::Bytes,
+    ) -> Result<Vec<(u64, u64)>, String> {
+        let req = req.body(http_body_util::Full::new(body)).map_err(|e| e.to_string())?;
+        let client = self.client.clone();
+        let node = self.node.clone();
+        self.rt.block_on(async move {
+            let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
+                .await
+                .map_err(|_| format!("{url}: no answer in 10 s"))?
+                .map_err(|e| format!("{url}: {e}"))?;
+            let status = resp.status();
+            let body =
+                http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
+            if !status.is_success() {
+                return Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()));
+            }
+            let ack: postern_model::protocol::UsageAck =
+                serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
+            Ok(ack.missing.into_iter().filter(|m| m.node == node).map(|m| (m.from, m.to)).collect())
         })
     }
 }
@@ -559,27 +612,7 @@ impl Sink for HttpSink {
         let body = batch_body(windows);
         let req = http::Request::post(&self.url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        let client = self.client.clone();
-        let url = self.url.clone();
-        let node = self.node.clone();
-        self.rt.block_on(async move {
-            let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
-                .await
-                .map_err(|_| format!("{url}: no answer in 10 s"))?
-                .map_err(|e| format!("{url}: {e}"))?;
-            let status = resp.status();
-            let body =
-                http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
-            if status.is_success() {
-                let ack: postern_model::protocol::UsageAck =
-                    serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
-                Ok(ack.missing.into_iter().filter(|m| m.node == node).map(|m| (m.from, m.to)).collect())
-            } else {
-                Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()))
-            }
-        })
+            .header(http::header::CONTENT_TYPE, "application/json");
+        self.exchange(self.url.clone(), req, bytes::Bytes::from(body))
     }
 }

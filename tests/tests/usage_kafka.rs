@@ -1,0 +1,346 @@
+//! The usage stream on a real Kafka-protocol broker (`tansu`): nodes started with
+//! `--usage-kafka` write their windows there, split by caller; `posternctl serve
+//! --usage-kafka` consumes them into the usage store. Under load, with a node killed
+//! with `kill -9` and restarted, the broker frozen for over 30 s, a spool filled up and
+//! windows delivered twice, every key is billed exactly the calls its clients saw
+//! answered (the killed node may lose only its last second), and the store and the
+//! nodes report each fault.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use postern_e2e::control_plane::*;
+use postern_e2e::kafka::Broker;
+use postern_e2e::usage::{billed, load, spool_state};
+use postern_e2e::{Node, Repo, get, new_key, platform};
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer as _};
+
+const ROUTES: &str = "routes:\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: search }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n";
+
+async fn platform_get(cp: &ControlPlane, path: &str) -> serde_json::Value {
+    let auth = format!("Bearer {PLATFORM_TOKEN}");
+    get(&format!("{}{path}", cp.url), &[("authorization", &auth)]).await.json()
+}
+
+struct Loads {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<(String, tokio::task::JoinHandle<Vec<Instant>>)>,
+}
+
+impl Loads {
+    fn start(port: u16, keys: &[(&str, &str)]) -> Loads {
+        let stop = Arc::new(AtomicBool::new(false));
+        // A steady, modest rate: six clients on a two-core machine.
+        let pause = Duration::from_millis(5);
+        let tasks = keys
+            .iter()
+            .map(|(id, k)| ((*id).to_owned(), load(port, (*k).to_owned(), stop.clone(), 1, pause)))
+            .collect();
+        Loads { stop, tasks }
+    }
+
+    /// Stops the clients; their successful calls by key.
+    async fn stop(self) -> BTreeMap<String, Vec<Instant>> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut out = BTreeMap::new();
+        for (id, t) in self.tasks {
+            out.insert(id, t.await.unwrap());
+        }
+        out
+    }
+}
+
+/// A broker, a backend, a config repository with route `t/search` on product `search`,
+/// and the work directory with its tokens (`tokens.json`) and store folder (`store`).
+struct Setup {
+    broker: Broker,
+    echo: postern_e2e::Echo,
+    repo: Repo,
+    work: tempfile::TempDir,
+    tokens: std::path::PathBuf,
+    store: std::path::PathBuf,
+}
+
+fn setup() -> Setup {
+    let broker = Broker::start();
+    let echo = postern_e2e::Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write("platform/plans.yaml", "scopes: []\nproducts: [search]\nplans:\n  gold: { products: [search] }\n");
+    repo.write("teams/t/routes.yaml", ROUTES);
+    let work = tempfile::tempdir().unwrap();
+    let tokens = write_tokens(work.path());
+    let store = work.path().join("store");
+    Setup { broker, echo, repo, work, tokens, store }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_full_spool_and_duplicates() {
+    let Setup { broker, echo, repo, work, tokens, store } = setup();
+    let cp = serve(
+        repo.path(),
+        store.to_str().unwrap(),
+        &tokens,
+        &["--dwell", "0s", "--usage-kafka", &broker.addr, "--usage-kafka-partitions", "4"],
+    );
+    let k: Vec<String> = (1..=3).map(|i| new_key(repo.path(), &format!("k{i}"), "app", "acme", "gold", &[])).collect();
+    ctl(&cp, &["publish"]);
+    let kafka = ["--usage-kafka", broker.addr.as_str(), "--drain-seconds", "2"];
+    let n0_dir = work.path().join("n0");
+    let n0 = start_node_with(&cp.url, &n0_dir, "node-0", &kafka);
+    // node-1's spool holds about two windows: the frozen broker fills it.
+    let mut n1_args = kafka.to_vec();
+    n1_args.extend(["--usage-spool-max", "1KiB"]);
+    let n1 = start_node_with(&cp.url, &work.path().join("n1"), "node-1", &n1_args);
+    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+    for node in [&n0, &n1] {
+        wait_for("the node to take the keys", Duration::from_secs(15), async || {
+            get(&node.url("/search"), &[("x-api-key", &k[2])]).await.status == StatusCode::OK
+        })
+        .await;
+        *seen.entry("k3".into()).or_default() += 1;
+    }
+    let add = |seen: &mut BTreeMap<String, u64>, calls: &BTreeMap<String, Vec<Instant>>| {
+        for (id, c) in calls {
+            *seen.entry(id.clone()).or_default() += c.len() as u64;
+        }
+    };
+    // k1 and k2 call both nodes; k3 only node-1, which never crashes: its count is exact.
+    let n0_keys = [("k1", k[0].as_str()), ("k2", k[1].as_str())];
+    let n1_keys = [("k1", k[0].as_str()), ("k2", k[1].as_str()), ("k3", k[2].as_str())];
+    let n1_load = Loads::start(n1.public, &n1_keys);
+    let n0_load = Loads::start(n0.public, &n0_keys);
+
+    // kill -9 node-0 mid-window (3 to 8 s into it, past a checkpoint), then restart it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let into = unix_ms() % 10_000;
+    if !(3_000..8_000).contains(&into) {
+        tokio::time::sleep(Duration::from_millis((13_000 - into) % 10_000)).await;
+    }
+    n0.proc.signal(9);
+    let killed = Instant::now();
+    let before_kill = n0_load.stop().await;
+    add(&mut seen, &before_kill);
+    // What node-0 answered since its last checkpoint may be lost (1 s apart, with slack).
+    let mut may_lose: BTreeMap<String, u64> = BTreeMap::new();
+    for (id, calls) in &before_kill {
+        let last = calls.iter().filter(|t| killed.duration_since(**t) <= Duration::from_millis(1500)).count();
+        may_lose.insert(id.clone(), last as u64);
+    }
+    drop(n0);
+    let pubkey = work.path().join("control.pub");
+    let mut restart: Vec<&str> =
+        vec!["--control", &cp.url, "--control-token", NODE_TOKEN, "--control-key", pubkey.to_str().unwrap()];
+    restart.extend(kafka);
+    let n0 = Node::start(&n0_dir.join("snapshot.json"), &restart);
+    assert_eq!(spool_state(&n0).await["node"], "node-0");
+    let n0_load = Loads::start(n0.public, &n0_keys);
+
+    // Freeze the broker for 32 s under load: nothing is delivered, node-1's spool fills
+    // and its windows wait in memory; both nodes keep serving.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.freeze();
+    let frozen = Instant::now();
+    let mut full = serde_json::Value::Null;
+    let mut last = serde_json::Value::Null;
+    while frozen.elapsed() < Duration::from_secs(32) {
+        last = spool_state(&n1).await;
+        if full.is_null() && last["spool"] == "degraded" {
+            full = last.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    broker.thaw();
+    eprintln!("broker frozen {} ms; node-1's spool while it was: {full}", frozen.elapsed().as_millis());
+    assert!(
+        full["spool_error"].as_str().unwrap_or_default().contains("full"),
+        "the spool never filled: {last}\n{}",
+        n1.log()
+    );
+    assert!(full["ship_error"].is_string() || last["ship_error"].is_string(), "{full}\n{last}\n{}", n1.log());
+
+    // Load on a little, then stop every client.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    add(&mut seen, &n0_load.stop().await);
+    add(&mut seen, &n1_load.stop().await);
+
+    // Every window node-1 has had acknowledged so far, delivered again, as a node that
+    // restarted before its acknowledgement was recorded would.
+    let t = Instant::now();
+    let end = Instant::now() + Duration::from_secs(60);
+    let mut state;
+    loop {
+        state = spool_state(&n1).await;
+        if state["acked"].as_u64() >= Some(2) && state["pending"].as_u64() == Some(0) {
+            break;
+        }
+        assert!(Instant::now() < end, "node-1 did not drain after the broker came back: {state}\n{}", n1.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("node-1 drained {} ms after the load stopped: {state}", t.elapsed().as_millis());
+    let acked = state["acked"].as_u64().unwrap();
+    let windows = get(&n1.admin_url(&format!("/usage/windows?from=1&to={acked}")), &[]).await;
+    let windows: serde_json::Value = serde_json::from_slice(&windows.body).unwrap();
+    let spooled: Vec<(u64, Vec<u8>)> = windows["windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["seq"].as_u64().unwrap(), serde_json::to_vec(w).unwrap()))
+        .collect();
+    let settings = postern_usage::kafka::KafkaSettings {
+        brokers: broker.addr.clone(),
+        topic: postern_model::usage::KAFKA_TOPIC.into(),
+        options: Vec::new(),
+        missing_poll: Duration::from_secs(30),
+    };
+    let resent = spooled.len() as u64;
+    tokio::task::spawn_blocking(move || {
+        let mut sink = postern_usage::kafka::KafkaSink::new(&settings, "node-1", None).unwrap();
+        postern_usage::Sink::send(&mut sink, &spooled).unwrap();
+    })
+    .await
+    .unwrap();
+
+    // Bad input on the stream: not a window, and a window whose ce_id names another.
+    let producer: BaseProducer = rdkafka::ClientConfig::new().set("bootstrap.servers", &broker.addr).create().unwrap();
+    producer
+        .send(BaseRecord::<str, str>::to(postern_model::usage::KAFKA_TOPIC).key("key:k1").payload("{\"rows\":"))
+        .unwrap();
+    let mut forged = serde_json::json!({
+        "node": "node-1", "seq": 9999, "start": 10,
+        "rows": [{"caller": "k1", "kind": "key", "product": "search", "route": "t/search",
+                  "status": [0, 1000, 0, 0, 0], "latency": vec![0u64; postern_model::usage::LATENCY_BUCKETS],
+                  "latency_us": 0}],
+    });
+    forged["rows"][0]["latency"][0] = serde_json::json!(1000);
+    let forged = forged.to_string();
+    let headers = rdkafka::message::OwnedHeaders::new()
+        .insert(rdkafka::message::Header { key: "ce_id", value: Some("node-1/1/0") });
+    producer
+        .send(
+            BaseRecord::<str, str>::to(postern_model::usage::KAFKA_TOPIC)
+                .key("key:k1")
+                .payload(&forged)
+                .headers(headers),
+        )
+        .unwrap();
+    producer.flush(Duration::from_secs(10)).unwrap();
+
+    // After the last windows close (10 s) and travel: billed == seen, exactly for k3,
+    // within node-0's last second for k1 and k2, and never more than seen.
+    let t = Instant::now();
+    let mut got = BTreeMap::new();
+    wait_for("every call billed", Duration::from_secs(60), async || {
+        got = billed(&cp);
+        seen.iter().all(|(id, n)| got.get(id).copied().unwrap_or(0) >= n - may_lose.get(id).copied().unwrap_or(0))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    got = billed(&cp);
+    eprintln!(
+        "seen {seen:?}; billed {got:?}; node-0 may lose {may_lose:?}; settled {} ms after the load",
+        t.elapsed().as_millis()
+    );
+    for (id, n) in &seen {
+        let b = got.get(id).copied().unwrap_or(0);
+        assert!(b <= *n, "{id}: billed {b} of {n} seen: something was counted twice");
+        assert!(b >= n - may_lose.get(id).copied().unwrap_or(0), "{id}: billed {b} of {n} seen");
+    }
+    assert_eq!(got.get("k3"), seen.get("k3"), "k3 only called node-1: billed exactly");
+
+    // The report: node-0's crash (a recovered window), the duplicates dropped, no window
+    // missing, the bad messages skipped.
+    let nodes = platform_get(&cp, "/v1/usage/nodes").await;
+    let node =
+        |name: &str| nodes["nodes"].as_array().and_then(|n| n.iter().find(|n| n["node"] == name)).cloned().unwrap();
+    let (r0, r1) = (node("node-0"), node("node-1"));
+    eprintln!("{nodes}");
+    assert!(r0["recovered"].as_u64() >= Some(1), "{nodes}");
+    assert_eq!((r0["missing"].as_u64(), r1["missing"].as_u64()), (Some(0), Some(0)), "{nodes}");
+    assert!(r1["duplicates"].as_u64() >= Some(resent), "{nodes}");
+    let stream = platform_get(&cp, "/v1/usage/stream").await;
+    eprintln!("stream: {stream}");
+    assert_eq!(stream["kafka"], true, "{stream}");
+    assert_eq!(stream["rejected"].as_u64(), Some(2), "{stream}");
+    assert!(stream["duplicates"].as_u64() >= Some(resent), "{stream}");
+    let state = spool_state(&n1).await;
+    assert_eq!(state["spool"], "ok", "{state}");
+    assert!(state["ship_errors"].as_u64() >= Some(1), "{state}");
+    drop((n0, n1, cp, echo, broker));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_the_stream_no_longer_holds_are_asked_for_and_sent_again() {
+    let Setup { broker, echo, repo, work, tokens, store } = setup();
+    // The killed control plane's consumer leaves the group only when its session ends:
+    // a short one, so its successor takes the partitions in seconds.
+    let cp_args = [
+        "--dwell",
+        "0s",
+        "--usage-kafka",
+        broker.addr.as_str(),
+        "--usage-kafka-option",
+        "session.timeout.ms=6000",
+        "--usage-kafka-option",
+        "heartbeat.interval.ms=1000",
+    ];
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &cp_args);
+    let key = new_key(repo.path(), "k1", "app", "acme", "gold", &[]);
+    ctl(&cp, &["publish"]);
+    let node = start_node_with(
+        &cp.url,
+        &work.path().join("n0"),
+        "node-0",
+        &["--usage-kafka", &broker.addr, "--usage-kafka-missing-poll-s", "1"],
+    );
+    let call = async || get(&node.url("/search"), &[("x-api-key", &key)]).await.status == StatusCode::OK;
+    wait_for("the node to take the key", Duration::from_secs(15), call).await;
+    let mut seen = 1;
+    for _ in 0..30 {
+        assert!(call().await);
+        seen += 1;
+    }
+    wait_for("the first calls billed", Duration::from_secs(30), async || billed(&cp).get("k1") == Some(&seen)).await;
+
+    // The usage store is lost, and the stream has moved past those windows (the consumer
+    // group committed them): the next window's number shows the gap, the node hears of
+    // it from the control plane and sends the windows again from its spool, through Kafka.
+    let listen = cp.url.trim_start_matches("http://").to_owned();
+    drop(cp);
+    for f in ["usage.db", "usage.db-wal", "usage.db-shm"] {
+        let _ = std::fs::remove_file(store.join(f));
+    }
+    let mut args = cp_args.to_vec();
+    args.extend(["--listen", &listen]);
+    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &args);
+    assert_eq!(billed(&cp).get("k1"), None);
+    for _ in 0..20 {
+        assert!(call().await);
+        seen += 1;
+    }
+    let t = Instant::now();
+    let end = Instant::now() + Duration::from_secs(45);
+    while billed(&cp).get("k1") != Some(&seen) {
+        if Instant::now() > end {
+            let nodes = platform_get(&cp, "/v1/usage/nodes").await;
+            panic!("billed {:?} of {seen}; {nodes}; {}\n{}", billed(&cp), spool_state(&node).await, node.log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("{seen} calls billed again {} ms after the last call", t.elapsed().as_millis());
+    let nodes = platform_get(&cp, "/v1/usage/nodes").await;
+    assert_eq!(nodes["nodes"][0]["missing"].as_u64(), Some(0), "{nodes}");
+    let state = spool_state(&node).await;
+    assert!(state["resent"].as_u64() >= Some(1), "{state}");
+    assert_eq!(state["resend_unavailable"].as_u64(), Some(0), "{state}");
+    assert!(node.log().contains("the usage store lacks windows"), "{}", node.log());
+    drop((node, cp, echo, broker));
+}
