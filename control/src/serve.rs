@@ -269,6 +269,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     }
     if server.usage.is_some() {
         tokio::spawn(server.clone().flag_loop());
+        tokio::spawn(server.clone().reconcile_loop());
         if let Some(url) = server.quota.webhook.clone() {
             tokio::spawn(server.clone().webhook_loop(url));
         }

@@ -698,6 +698,15 @@ impl UsageStore {
         }))
     }
 
+    /// Whether period `period` is final now (reconciled, and no window came since).
+    pub fn is_final(&self, period: &str) -> rusqlite::Result<bool> {
+        let final_at: Option<Option<i64>> = self
+            .lock()
+            .query_row("SELECT final_at FROM periods WHERE period = ?1", params![period], |r| r.get(0))
+            .optional()?;
+        Ok(matches!(final_at, Some(Some(_))))
+    }
+
     /// The billing export of a final period: one total per caller and product. `Err`
     /// with the reason while the period is not final.
     pub fn export(&self, period: &str) -> rusqlite::Result<Result<Vec<Total>, String>> {

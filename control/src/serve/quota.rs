@@ -25,6 +25,9 @@ use crate::usage::{QuotaEvent, Quotas, UsageStore};
 const FLAG_PASS: Duration = Duration::from_secs(5);
 /// How often the webhook sender looks for events due.
 const WEBHOOK_PASS: Duration = Duration::from_secs(1);
+/// When the reconciler first runs after start, and how often after.
+const RECONCILE_FIRST: Duration = Duration::from_secs(60);
+const RECONCILE_EVERY: Duration = Duration::from_secs(3600);
 /// The longest wait between two deliveries of one event.
 const WEBHOOK_MAX_BACKOFF_S: u64 = 300;
 
@@ -166,6 +169,32 @@ impl Server {
             if let Err(e) = self.publish_flags().await {
                 eprintln!("posternctl serve: over-quota flags: {e}");
             }
+        }
+    }
+
+    /// The reconciler's own schedule: a minute after start and then every hour, the
+    /// last month is reconciled until it is final (once its grace has passed and every
+    /// node's windows of it are in), and again whenever a late window reopened it. What
+    /// still blocks it is logged; gaps are chased by the nodes meanwhile.
+    pub(super) async fn reconcile_loop(self: Arc<Self>) {
+        let Some(usage) = self.usage.clone() else { return };
+        tokio::time::sleep(RECONCILE_FIRST).await;
+        loop {
+            let now = unix_now();
+            let (_, month_start, _) = postern_model::usage::month_period(now);
+            let (period, _, _) = postern_model::usage::month_period(month_start.saturating_sub(1));
+            let p = period.clone();
+            match blocking(&usage, move |u| if u.is_final(&p)? { Ok(None) } else { u.reconcile(&p, now) }).await {
+                Ok(Some(r)) if r.is_final => {
+                    eprintln!("posternctl serve: usage period {period} reconciled: final, {} billable", r.billable)
+                }
+                Ok(Some(r)) => {
+                    eprintln!("posternctl serve: usage period {period} not final yet: {}", r.blocking.join("; "))
+                }
+                Ok(None) => {}
+                Err(e) => eprintln!("posternctl serve: reconcile {period}: {e}"),
+            }
+            tokio::time::sleep(RECONCILE_EVERY).await;
         }
     }
 
