@@ -189,24 +189,26 @@ impl Window {
         if self.parts != 1 {
             return vec![self.clone()];
         }
-        let mut callers: Vec<(CallerKind, &str)> = self.rows.iter().map(|r| (r.kind, r.caller.as_str())).collect();
-        callers.sort_unstable_by(|a, b| (a.0.as_str(), a.1).cmp(&(b.0.as_str(), b.1)));
-        callers.dedup();
-        if callers.len() <= 1 {
+        // Row indices by (kind, caller), stably: a part keeps its rows' order.
+        let key = |i: usize| (self.rows[i].kind.as_str(), self.rows[i].caller.as_str());
+        let mut order: Vec<usize> = (0..self.rows.len()).collect();
+        order.sort_by(|&a, &b| key(a).cmp(&key(b)));
+        let mut groups: Vec<&[usize]> = order.chunk_by(|&a, &b| key(a) == key(b)).collect();
+        if groups.len() <= 1 {
             return vec![self.clone()];
         }
-        let parts = u32::try_from(callers.len()).unwrap_or(u32::MAX);
-        callers
-            .iter()
+        let parts = u32::try_from(groups.len()).unwrap_or(u32::MAX);
+        groups
+            .drain(..)
             .enumerate()
-            .map(|(i, &(kind, caller))| Window {
+            .map(|(i, rows)| Window {
                 node: self.node.clone(),
                 seq: self.seq,
                 start: self.start,
                 recovered: self.recovered,
                 part: u32::try_from(i).unwrap_or(u32::MAX),
                 parts,
-                rows: self.rows.iter().filter(|r| r.kind == kind && r.caller == caller).cloned().collect(),
+                rows: rows.iter().map(|&r| self.rows[r].clone()).collect(),
             })
             .collect()
     }
