@@ -435,6 +435,10 @@ impl Server {
                 })
                 .await
             }
+            (Method::PUT, ["v1", "nodes", node, "usage", "counters"]) if is_node => {
+                let node = (*node).to_owned();
+                self.usage_counters(node, req).await
+            }
             (Method::POST, ["v1", "nodes", node, "report"]) if is_node => {
                 let node = (*node).to_owned();
                 match read_json::<Report>(req).await {
@@ -557,6 +561,38 @@ impl Server {
                 error(StatusCode::CONFLICT, e.to_string())
             }
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    }
+
+    /// `PUT /v1/nodes/<node>/usage/counters`: the node's own counts of a period complete
+    /// on it, for the reconciler; 204 once stored.
+    async fn usage_counters(&self, node: String, req: Request<Incoming>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let body = match Limited::new(req.into_body(), USAGE_BODY_LIMIT).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {USAGE_BODY_LIMIT} bytes)")),
+        };
+        let counters: postern_model::usage::NodeCounters = match serde_json::from_slice(&body) {
+            Ok(c) => c,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        };
+        if counters.node != node {
+            return error(StatusCode::BAD_REQUEST, format!("counters of node {} sent for node {node}", counters.node));
+        }
+        if let Err(e) = counters.check() {
+            return error(StatusCode::BAD_REQUEST, e);
+        }
+        let now = postern_model::disk::unix_now();
+        match tokio::task::spawn_blocking(move || store.put_counters(&counters, now)).await {
+            Ok(Ok(())) => {
+                let mut r = Response::new(Full::new(Bytes::new()));
+                *r.status_mut() = StatusCode::NO_CONTENT;
+                r
+            }
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }
     }
 

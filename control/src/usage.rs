@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 use postern_model::credentials::{Credentials, QuotaFlag};
 use postern_model::protocol::{Missing, UsageAck};
-use postern_model::usage::{CallerKind, LATENCY_BUCKETS, Window, month_period, quantile_ms};
+use postern_model::usage::{CallerKind, LATENCY_BUCKETS, NodeCounters, Window, month_period, quantile_ms};
 use postern_model::{Plan, Quota, QuotaMode};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
@@ -360,7 +360,15 @@ impl UsageStore {
              CREATE TABLE IF NOT EXISTS over_quota (
                 caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, until INTEGER NOT NULL,
                 quota INTEGER NOT NULL, period_s INTEGER NOT NULL, since INTEGER NOT NULL,
-                PRIMARY KEY (caller, kind, product, until)) WITHOUT ROWID;"
+                PRIMARY KEY (caller, kind, product, until)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS node_counters (
+                node TEXT NOT NULL, period TEXT NOT NULL, through INTEGER NOT NULL, calls INTEGER NOT NULL,
+                received INTEGER NOT NULL, raw BLOB NOT NULL, PRIMARY KEY (node, period)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS corrections (
+                node TEXT NOT NULL, period TEXT NOT NULL, caller TEXT NOT NULL, kind TEXT NOT NULL,
+                product TEXT NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
+                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL,
+                PRIMARY KEY (node, period, caller, kind, product)) WITHOUT ROWID;"
         ))?;
         // `overshoot` came with quotas: a store made before them gains the column.
         let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();
@@ -626,10 +634,42 @@ impl UsageStore {
         Ok(gaps(&self.lock(), node)?.1)
     }
 
+    /// Stores a node's own counters of a period complete on it (checked): the report with
+    /// the highest `through` is kept, and a changed one reopens a final period until the
+    /// next reconcile. `now` is Unix seconds.
+    pub fn put_counters(&self, c: &NodeCounters, now: u64) -> rusqlite::Result<()> {
+        let raw = serde_json::to_vec(c).unwrap_or_default();
+        let mut conn = self.lock();
+        let tx = conn.transaction()?;
+        let changed = tx.execute(
+            "INSERT INTO node_counters (node, period, through, calls, received, raw) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT DO UPDATE SET through = excluded.through, calls = excluded.calls,
+               received = excluded.received, raw = excluded.raw
+             WHERE excluded.through >= node_counters.through AND excluded.raw != node_counters.raw",
+            params![c.node, c.period, sql_int(c.through), sql_int(c.calls()), sql_int(now), raw],
+        )? == 1;
+        if changed {
+            tx.execute(
+                "UPDATE periods SET final_at = NULL WHERE period = ?1 AND final_at IS NOT NULL",
+                params![c.period],
+            )?;
+        }
+        tx.commit()
+    }
+
+    /// A node's own counters of `period`, as last reported.
+    pub fn counters(&self, node: &str, period: &str) -> rusqlite::Result<Option<NodeCounters>> {
+        counters_of(&self.lock(), node, period)
+    }
+
     /// Reconciles billing period `period` (`YYYY-MM`) at Unix second `now`: the period
     /// is final once it has ended (and [`CLOSE_GRACE_S`] passed), and every node that
-    /// counted calls in it has every window up to one past its end, with no number
-    /// missing. `None` for a period name that is not one.
+    /// counted calls in it has reported its own counters of it and the store has every
+    /// one of its windows up to the last number they cover, but those the node no longer
+    /// had when asked for them. Each such node's counts are then compared with the
+    /// store's: what the store lacks becomes a correction added to the totals (and taken
+    /// back as windows arrive), so the export bills what the node answered. `None` for a
+    /// period name that is not one.
     pub fn reconcile(&self, period: &str, now: u64) -> rusqlite::Result<Option<Reconciled>> {
         let Some((start, end)) = postern_model::usage::parse_month(period) else { return Ok(None) };
         let mut conn = self.lock();
@@ -642,33 +682,67 @@ impl UsageStore {
                 rfc3339(end + CLOSE_GRACE_S)
             ));
         }
-        let counted: Vec<(String, u64, u64)> = {
+        let mut counted: BTreeMap<String, (u64, u64)> = {
             let mut stmt = tx.prepare_cached(
                 "SELECT node, COUNT(DISTINCT seq), SUM(calls) FROM applied WHERE start >= ?1 AND start < ?2
                  GROUP BY node ORDER BY node",
             )?;
             stmt.query_map(params![sql_int(start), sql_int(end)], |r| {
-                Ok((r.get(0)?, r.get::<_, i64>(1)?.max(0) as u64, r.get::<_, i64>(2)?.max(0) as u64))
+                Ok((r.get(0)?, (r.get::<_, i64>(1)?.max(0) as u64, r.get::<_, i64>(2)?.max(0) as u64)))
             })?
             .collect::<rusqlite::Result<_>>()?
         };
+        // A node whose every window of the period is lost still reported its counts.
+        {
+            let mut stmt = tx.prepare_cached("SELECT node FROM node_counters WHERE period = ?1")?;
+            for node in stmt.query_map(params![period], |r| r.get::<_, String>(0))? {
+                counted.entry(node?).or_default();
+            }
+        }
         let mut nodes = Vec::with_capacity(counted.len());
-        for (node, windows, calls) in counted {
-            let (_, missing) = gaps(&tx, &node)?;
-            let last_start: i64 =
+        for (node, (windows, calls)) in counted {
+            let last_start: Option<i64> =
                 tx.query_row("SELECT MAX(start) FROM applied WHERE node = ?1", params![node], |r| r.get(0))?;
-            let last_start = last_start.max(0) as u64;
-            if !missing.is_empty() {
-                let runs: Vec<String> = missing.iter().map(|m| format!("{}..{}", m.from, m.to)).collect();
-                blocking.push(format!("node {node} lacks windows {} (it is asked for them)", runs.join(", ")));
-            }
-            if last_start < end {
+            let mut pn = PeriodNode {
+                node: node.clone(),
+                windows,
+                calls,
+                missing: Vec::new(),
+                last_window: last_start.map(|t| rfc3339(t.max(0) as u64)),
+                own_calls: None,
+                corrected: 0,
+                counted_less: 0,
+            };
+            let Some(own) = counters_of(&tx, &node, period)? else {
                 blocking.push(format!(
-                    "node {node} has sent nothing since {}: its last windows of the period may still come",
-                    rfc3339(last_start + postern_model::usage::WINDOW_S)
+                    "node {node} has not reported its own counts of {period} (it does once every window before the period's end is spooled)"
                 ));
+                nodes.push(pn);
+                continue;
+            };
+            pn.own_calls = Some(own.calls());
+            pn.missing = lacking(&tx, &own)?;
+            if !pn.missing.is_empty() {
+                let runs: Vec<String> = pn.missing.iter().map(|m| format!("{}..{}", m.from, m.to)).collect();
+                blocking.push(format!("node {node} lacks windows {} (it is asked for them)", runs.join(", ")));
+                nodes.push(pn);
+                continue;
             }
-            nodes.push(PeriodNode { node, windows, calls, missing, last_window: rfc3339(last_start) });
+            let beyond: i64 = tx.query_row(
+                "SELECT COUNT(*) FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3 AND seq > ?4",
+                params![node, sql_int(start), sql_int(end), sql_int(own.through)],
+                |r| r.get(0),
+            )?;
+            if beyond > 0 {
+                blocking.push(format!(
+                    "node {node} has windows of {period} numbered past {}, the last its counts cover: it numbered again from 1 (give it a new id)",
+                    own.through
+                ));
+                nodes.push(pn);
+                continue;
+            }
+            (pn.corrected, pn.counted_less) = compare(&tx, &own, (start, end), windows > 0 && calls == own.calls())?;
+            nodes.push(pn);
         }
         let (callers, billable): (i64, i64) = tx.query_row(
             "SELECT COUNT(*), COALESCE(SUM(billable), 0) FROM totals WHERE period = ?1",
@@ -763,8 +837,160 @@ pub struct PeriodNode {
     pub calls: u64,
     /// Its sequence numbers the store lacks.
     pub missing: Vec<Missing>,
-    /// The start of its newest window (any period).
-    pub last_window: String,
+    /// The start of its newest window (any period), if it has one.
+    pub last_window: Option<String>,
+    /// Calls in its own counts of the period, once it reported them.
+    pub own_calls: Option<u64>,
+    /// Calls its counts hold that the store never got (windows the node no longer had
+    /// when asked): added to the totals as corrections.
+    pub corrected: u64,
+    /// Calls the store applied beyond the node's own counts (its counters file was lost
+    /// and counted again from what its spool still held): the store's count stands.
+    pub counted_less: u64,
+}
+
+/// A node's reported counters of `period`.
+fn counters_of(conn: &Connection, node: &str, period: &str) -> rusqlite::Result<Option<NodeCounters>> {
+    let raw: Option<Vec<u8>> = conn
+        .query_row("SELECT raw FROM node_counters WHERE node = ?1 AND period = ?2", params![node, period], |r| r.get(0))
+        .optional()?;
+    Ok(raw.and_then(|raw| serde_json::from_slice(&raw).ok()))
+}
+
+/// The node's numbers up to the last its counts cover that the store lacks, but those it
+/// no longer had when asked for them.
+fn lacking(conn: &Connection, own: &NodeCounters) -> rusqlite::Result<Vec<Missing>> {
+    let (_, mut missing) = gaps(conn, &own.node)?;
+    let top: Option<i64> =
+        conn.query_row("SELECT MAX(seq) FROM applied WHERE node = ?1", params![own.node], |r| r.get(0))?;
+    let top = top.map_or(0, |t| t.max(0) as u64);
+    if top < own.through {
+        missing.push(Missing { node: own.node.clone(), from: top + 1, to: own.through });
+    }
+    let mut out: Vec<Missing> = Vec::new();
+    for m in missing {
+        // The numbers of the run in no unavailable run, as runs again.
+        let mut from = m.from;
+        let to = m.to.min(own.through);
+        while from <= to {
+            match own.unavailable.iter().filter(|&&(f, t)| t >= from && f <= to).min() {
+                Some(&(f, t)) if f <= from => from = t.saturating_add(1),
+                Some(&(f, t)) => {
+                    out.push(Missing { node: m.node.clone(), from, to: f - 1 });
+                    from = t.saturating_add(1);
+                }
+                None => {
+                    out.push(Missing { node: m.node.clone(), from, to });
+                    break;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Compares a node's own counts of a period (`[start, end)`) with the store's and writes
+/// the difference as corrections to the totals, replacing the last ones; returns the
+/// calls corrected and the calls the store has beyond the node's counts. With `agree`
+/// (the node totals match) and no corrections standing, nothing is read: the store
+/// applies each window once, so it can only lack calls, never hold others.
+fn compare(
+    tx: &rusqlite::Transaction<'_>,
+    own: &NodeCounters,
+    (start, end): (u64, u64),
+    agree: bool,
+) -> rusqlite::Result<(u64, u64)> {
+    let standing: i64 = tx.query_row(
+        "SELECT COUNT(*) FROM corrections WHERE node = ?1 AND period = ?2",
+        params![own.node, own.period],
+        |r| r.get(0),
+    )?;
+    if agree && standing == 0 {
+        return Ok((0, 0));
+    }
+    type Key = (String, String, String);
+    let mut stored: BTreeMap<Key, [u64; 5]> = BTreeMap::new();
+    {
+        let mut stmt = tx.prepare_cached("SELECT raw FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3")?;
+        let mut rows = stmt.query(params![own.node, sql_int(start), sql_int(end)])?;
+        while let Some(r) = rows.next()? {
+            let raw: Vec<u8> = r.get(0)?;
+            let Ok(w) = serde_json::from_slice::<Window>(&raw) else { continue };
+            for row in w.rows {
+                let s = stored.entry((row.caller, row.kind.as_str().to_owned(), row.product)).or_default();
+                for (a, n) in s.iter_mut().zip(row.status) {
+                    *a = a.saturating_add(n);
+                }
+            }
+        }
+    }
+    let mut wanted: BTreeMap<Key, [u64; 5]> = BTreeMap::new();
+    let mut counted_less = 0u64;
+    for r in &own.rows {
+        let key = (r.caller.clone(), r.kind.as_str().to_owned(), r.product.clone());
+        let have = stored.remove(&key).unwrap_or_default();
+        let mut lack = [0u64; 5];
+        for i in 0..5 {
+            lack[i] = r.status[i].saturating_sub(have[i]);
+            counted_less += have[i].saturating_sub(r.status[i]);
+        }
+        if lack.iter().any(|&n| n > 0) {
+            wanted.insert(key, lack);
+        }
+    }
+    counted_less += stored.values().flatten().sum::<u64>();
+    // The totals move by the new corrections less the standing ones.
+    let mut delta: BTreeMap<Key, [i64; 5]> = wanted.iter().map(|(k, v)| (k.clone(), v.map(sql_int))).collect();
+    {
+        let mut stmt = tx.prepare_cached(
+            "SELECT caller, kind, product, s1, s2, s3, s4, s5 FROM corrections WHERE node = ?1 AND period = ?2",
+        )?;
+        let old = stmt.query_map(params![own.node, own.period], |r| {
+            let mut s = [0i64; 5];
+            for (i, v) in s.iter_mut().enumerate() {
+                *v = r.get(3 + i)?;
+            }
+            Ok(((r.get(0)?, r.get(1)?, r.get(2)?), s))
+        })?;
+        for o in old {
+            let (k, s) = o?;
+            let d = delta.entry(k).or_default();
+            for i in 0..5 {
+                d[i] -= s[i];
+            }
+        }
+    }
+    let mut total = tx.prepare_cached(
+        "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 0)
+         ON CONFLICT DO UPDATE SET billable = billable + excluded.billable,
+           s1 = s1 + excluded.s1, s2 = s2 + excluded.s2, s3 = s3 + excluded.s3,
+           s4 = s4 + excluded.s4, s5 = s5 + excluded.s5",
+    )?;
+    for ((caller, kind, product), d) in &delta {
+        if d.iter().all(|&n| n == 0) {
+            continue;
+        }
+        total.execute(params![caller, kind, product, own.period, d[1] + d[2], d[0], d[1], d[2], d[3], d[4]])?;
+    }
+    tx.execute("DELETE FROM corrections WHERE node = ?1 AND period = ?2", params![own.node, own.period])?;
+    let mut put = tx.prepare_cached(
+        "INSERT INTO corrections (node, period, caller, kind, product, s1, s2, s3, s4, s5)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )?;
+    let mut corrected = 0u64;
+    for ((caller, kind, product), s) in &wanted {
+        let s = s.map(sql_int);
+        put.execute(params![own.node, own.period, caller, kind, product, s[0], s[1], s[2], s[3], s[4]])?;
+        corrected += s.iter().sum::<i64>().max(0) as u64;
+    }
+    if corrected > 0 || standing > 0 || counted_less > 0 {
+        eprintln!(
+            "posternctl: usage reconcile {}: node {}: {corrected} calls the store lacks added as corrections, {counted_less} applied beyond its own counts",
+            own.period, own.node
+        );
+    }
+    Ok((corrected, counted_less))
 }
 
 /// Adds `billable` calls of row `r` (a window starting at `start`) to its caller's use
@@ -1265,42 +1491,98 @@ mod tests {
     fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+        let none = Quotas::default();
         let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
         let after = DEC + CLOSE_GRACE_S;
-        store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC, &Quotas::default()).unwrap();
+        store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC, &none).unwrap();
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("node a has not reported"), "{r:?}");
+        // The node's own counts cover number 3: window 2 is missing.
+        store.put_counters(&own("a", 3, &[("k1", [0, 4, 0, 2, 0])], &[]), DEC).unwrap();
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
         assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("lacks windows 2..2"), "{r:?}");
         assert!(store.export("2026-11").unwrap().is_err());
-        store.apply(&[w(2, DEC - 10)], DEC, &Quotas::default()).unwrap();
+        store.apply(&[w(2, DEC - 10)], DEC, &none).unwrap();
         // Not before the period's end and its grace.
         assert!(!store.reconcile("2026-11", after - 1).unwrap().unwrap().is_final);
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
         assert!(r.is_final, "{r:?}");
         assert_eq!((r.billable, r.callers, r.nodes[0].windows, r.nodes[0].calls), (4, 1, 2, 6));
+        assert_eq!((r.nodes[0].own_calls, r.nodes[0].corrected, r.nodes[0].counted_less), (Some(6), 0, 0));
         let export = store.export("2026-11").unwrap().unwrap();
         assert_eq!((export.len(), export[0].billable, export[0].status.s4), (1, 4, 2));
         // December is still open.
         assert!(!store.reconcile("2026-12", after).unwrap().unwrap().is_final);
-        // A node whose newest window is inside the period may still send more.
-        let b = window("b", 1, DEC - 30, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)]);
-        store.apply(&[b], DEC, &Quotas::default()).unwrap();
+
+        // Node c lost window 2 for good (the store asked, the spool no longer held it):
+        // its own counts stand for it, as a correction.
+        let c = |seq, start, ok| window("c", seq, start, vec![row("k3", "search/query", [0, ok, 0, 0, 0], 1)]);
+        store.apply(&[c(1, DEC - 20, 2), c(3, DEC + 10, 1)], DEC, &none).unwrap();
+        assert!(
+            !store.reconcile("2026-11", after).unwrap().unwrap().is_final,
+            "a new node reopens nothing but is not reported"
+        );
+        store.put_counters(&own("c", 2, &[("k3", [0, 5, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
-        assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("node b has sent nothing since")), "{r:?}");
+        assert!(r.is_final, "{r:?}");
+        let node_c = r.nodes.iter().find(|n| n.node == "c").unwrap();
+        assert_eq!((node_c.calls, node_c.own_calls, node_c.corrected), (2, Some(5), 3), "{r:?}");
+        assert_eq!(r.billable, 4 + 5);
+        let k3 = |store: &UsageStore| store.totals("2026-11", Some("k3")).unwrap()[0].billable;
+        assert_eq!(k3(&store), 5);
+        // Reconciling again changes nothing.
+        assert_eq!(store.reconcile("2026-11", after).unwrap().unwrap().billable, 9);
+        // The window comes after all (it was late, not lost): the correction is taken back.
+        store.apply(&[c(2, DEC - 10, 3)], DEC, &none).unwrap();
+        assert!(!store.is_final("2026-11").unwrap());
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        let node_c = r.nodes.iter().find(|n| n.node == "c").unwrap();
+        assert_eq!((r.is_final, node_c.corrected, r.billable, k3(&store)), (true, 0, 9, 5), "{r:?}");
+        // Late: node c's first window (November was final then) and this one.
+        assert_eq!(r.late_windows, 2);
+        // A changed report reopens the period; an older one is ignored.
+        store.put_counters(&own("c", 2, &[("k3", [0, 6, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
+        assert!(!store.is_final("2026-11").unwrap());
+        store.put_counters(&own("c", 1, &[("k3", [0, 9, 0, 0, 0])], &[]), DEC).unwrap();
+        assert_eq!(store.counters("c", "2026-11").unwrap().map(|c| c.through), Some(2));
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert_eq!((r.is_final, r.billable, k3(&store)), (true, 10, 6), "{r:?}");
+        // A node that counts less than the store applied (its counters file was lost) is
+        // never corrected down.
         store
-            .apply(
-                &[window("b", 2, DEC + 20, vec![row("k2", "search/query", [0, 1, 0, 0, 0], 1)])],
-                DEC,
-                &Quotas::default(),
-            )
+            .apply(&[window("d", 1, DEC - 10, vec![row("k4", "search/query", [0, 3, 0, 0, 0], 1)])], DEC, &none)
             .unwrap();
-        assert!(store.reconcile("2026-11", after).unwrap().unwrap().is_final);
-        // A November window after that reopens November until the next reconcile.
-        store.apply(&[w(4, DEC - 10)], DEC, &Quotas::default()).unwrap();
-        assert!(store.export("2026-11").unwrap().unwrap_err().contains("not final"));
+        store.put_counters(&own("d", 1, &[("k4", [0, 1, 0, 0, 0])], &[]), DEC).unwrap();
         let r = store.reconcile("2026-11", after).unwrap().unwrap();
-        // Two late windows: node b's first (after November was final) and this one.
-        assert_eq!((r.is_final, r.late_windows, r.billable), (true, 2, 7));
+        let node_d = r.nodes.iter().find(|n| n.node == "d").unwrap();
+        assert_eq!((r.is_final, node_d.corrected, node_d.counted_less, r.billable), (true, 0, 2, 13), "{r:?}");
+        // Windows numbered past what the counts cover: the node numbers again.
+        store
+            .apply(&[window("d", 2, DEC - 10, vec![row("k4", "search/query", [0, 1, 0, 0, 0], 1)])], DEC, &none)
+            .unwrap();
+        let r = store.reconcile("2026-11", after).unwrap().unwrap();
+        assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("numbered past 1")), "{r:?}");
         assert_eq!(store.reconcile("2026-13", after).unwrap().map(|r| r.period), None);
+    }
+
+    fn own(node: &str, through: u64, rows: &[(&str, [u64; 5])], unavailable: &[(u64, u64)]) -> NodeCounters {
+        let c = NodeCounters {
+            node: node.into(),
+            period: "2026-11".into(),
+            through,
+            rows: rows
+                .iter()
+                .map(|(caller, status)| postern_model::usage::CounterRow {
+                    kind: CallerKind::Key,
+                    caller: (*caller).into(),
+                    product: "search".into(),
+                    status: *status,
+                })
+                .collect(),
+            unavailable: unavailable.to_vec(),
+        };
+        assert_eq!(c.check(), Ok(()));
+        c
     }
 
     #[test]

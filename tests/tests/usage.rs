@@ -402,24 +402,77 @@ async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report = json_of(&out);
     assert_eq!(report["final"], false, "{report}");
+    assert!(report["blocking"].to_string().contains("node node-x has not reported its own counts"), "{report}");
+
+    // The node's own counts of November, as a node reports them once the month is
+    // complete on it (every window up to number 2 is November's).
+    let put_counters = async |path_node: &str, body: String| {
+        let auth = format!("Bearer {NODE_TOKEN}");
+        let url = format!("{}/v1/nodes/{path_node}/usage/counters", cp.url);
+        send(Method::PUT, &url, &[("authorization", &auth)], body).await
+    };
+    let counts = |ok: u64, period: &str| {
+        serde_json::json!({"node": "node-x", "period": period, "through": 2,
+            "rows": [{"kind": "key", "caller": "k9", "product": "search", "status": [0, ok, 0, 2, 0]}]})
+        .to_string()
+    };
+    let r = put_counters("node-x", counts(9, "2026-11")).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{}", String::from_utf8_lossy(&r.body));
+    let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
+    assert_eq!(report["final"], false, "{report}");
     assert!(report["blocking"].to_string().contains("node node-x lacks windows 2..2"), "{report}");
     let out = usage(&["export", "--period", "2026-11"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not final"), "{}", String::from_utf8_lossy(&out.stderr));
 
-    // The missing window comes (a node sends it when asked): November is complete.
+    // The missing window comes (a node sends it when asked): November is complete, and
+    // the store's count agrees with the node's.
     let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![window_json(2, DEC - 10, 5)])).await;
     assert_eq!((status, ack["applied"].as_u64()), (StatusCode::OK, Some(1)), "{ack}");
     let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
     assert_eq!(report["final"], true, "{report}");
     assert_eq!((report["billable"].as_u64(), report["nodes"][0]["windows"].as_u64()), (Some(9), Some(2)), "{report}");
-    let out = usage(&["export", "--period", "2026-11"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(
+        (report["nodes"][0]["own_calls"].as_u64(), report["nodes"][0]["corrected"].as_u64()),
+        (Some(11), Some(0))
+    );
+    let export = || {
+        let out = usage(&["export", "--period", "2026-11"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect::<Vec<serde_json::Value>>()
+    };
+    let lines = export();
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!((lines[0]["caller"].as_str(), lines[0]["product"].as_str()), (Some("k9"), Some("search")));
     assert_eq!((lines[0]["billable"].as_u64(), lines[0]["status"]["4xx"].as_u64()), (Some(9), Some(2)));
+
+    // The node counted one call more than the store holds (a window it no longer had
+    // when asked): its report reopens November, and the reconcile bills the node's count.
+    let r = put_counters("node-x", counts(10, "2026-11")).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert!(!usage(&["export", "--period", "2026-11"]).status.success(), "a changed report reopens the period");
+    let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
+    assert_eq!(report["final"], true, "{report}");
+    assert_eq!(
+        (report["billable"].as_u64(), report["nodes"][0]["corrected"].as_u64()),
+        (Some(10), Some(1)),
+        "{report}"
+    );
+    assert_eq!(export()[0]["billable"].as_u64(), Some(10));
+
+    // Bad reports change nothing: a bad period, another node's counts, no token.
+    let r = put_counters("node-x", counts(50, "2026-13")).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&r.body));
+    let r = put_counters("node-y", counts(50, "2026-11")).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", String::from_utf8_lossy(&r.body));
+    let r = put_counters("node-x", "{\"node\": 1}".to_owned()).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let url = format!("{}/v1/nodes/node-x/usage/counters", cp.url);
+    assert_eq!(send(Method::PUT, &url, &[], counts(50, "2026-11")).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(export()[0]["billable"].as_u64(), Some(10));
     // December has not ended; a team may not close periods.
     assert_eq!(json_of(&usage(&["reconcile", "--period", "2026-12"]))["final"], false);
     let auth = format!("Bearer {TEAM_T_TOKEN}");
@@ -427,4 +480,40 @@ async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
         send(Method::POST, &format!("{}/v1/usage/reconcile?period=2026-11", cp.url), &[("authorization", &auth)], "")
             .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
+}
+
+/// A node that crashed before a month's end and starts again after it: the window it had
+/// checkpointed is spooled and sent, the month is complete on the node, and it reports
+/// its own counts, which let the reconciler close the month.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_reports_its_own_counts_of_a_month_once_it_is_complete() {
+    let Fleet { _echo, repo: _repo, work, cp } = fleet();
+    ctl(&cp, &["publish"]);
+    // 2026-12-01T00:00:00Z: the end of November.
+    const DEC: u64 = 1_796_083_200;
+    let dir = work.path().join("nr");
+    let spool = dir.join("usage-spool");
+    std::fs::create_dir_all(&spool).unwrap();
+    let mut w = window_json(0, DEC - 20, 4);
+    w["node"] = "node-r".into();
+    std::fs::write(spool.join("open.json"), serde_json::json!({"next": 1, "windows": [w]}).to_string()).unwrap();
+    let node = start_node(&cp.url, &dir, "node-r");
+
+    let auth = format!("Bearer {PLATFORM_TOKEN}");
+    let url = format!("{}/v1/usage/reconcile?period=2026-11", cp.url);
+    let mut report = serde_json::Value::Null;
+    wait_for("November to be final", Duration::from_secs(30), async || {
+        let r = send(Method::POST, &url, &[("authorization", &auth)], "").await;
+        report = serde_json::from_slice(&r.body).unwrap_or_default();
+        report["final"] == true
+    })
+    .await;
+    assert_eq!(report["billable"].as_u64(), Some(4), "{report}");
+    assert_eq!(report["nodes"][0]["node"], "node-r", "{report}");
+    assert_eq!((report["nodes"][0]["own_calls"].as_u64(), report["nodes"][0]["calls"].as_u64()), (Some(5), Some(5)));
+    let state = spool_state(&node).await;
+    assert!(state["counter_reports"].as_u64() >= Some(1), "{state}");
+    assert_eq!(state["counters"]["periods"][0]["period"], "2026-11", "{state}");
+    assert_eq!(state["counters"]["periods"][0]["reported"], true, "{state}");
+    drop(node);
 }

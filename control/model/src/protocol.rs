@@ -8,6 +8,8 @@
 //! | `POST` [`report_path`] | [`crate::report::Report`] | [`crate::report::Watch`] |
 //! | `GET` [`module_path`] | — | the module's bytes, which hash to its digest |
 //! | `POST` [`USAGE_PATH`] | [`UsageBatch`] (windows of the token's node) | [`UsageAck`] once every window is applied or known |
+//! | `GET` `/v1/nodes/<node>/usage/missing` | — | [`UsageAck`] with only the node's missing runs |
+//! | `PUT` [`counters_path`] | [`crate::usage::NodeCounters`] of a period complete on the node | 204 once stored |
 
 use serde::{Deserialize, Serialize};
 
@@ -160,6 +162,11 @@ pub struct UsageAck {
     /// has: the node sends them again from its spool.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing: Vec<Missing>,
+}
+
+/// `/v1/nodes/<node>/usage/counters`: where a node reports its own count of a period.
+pub fn counters_path(node: &str) -> String {
+    format!("/v1/nodes/{node}/usage/counters")
 }
 
 /// A run of one node's sequence numbers the usage store lacks.

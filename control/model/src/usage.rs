@@ -259,6 +259,95 @@ impl Window {
     }
 }
 
+/// Unavailable runs a node reports at most (the oldest are dropped first).
+pub const MAX_UNAVAILABLE: usize = 1024;
+
+/// A node's own count of one billing period (a UTC month), kept beside its spool from
+/// every window it spooled and reported once the period is complete on the node: every
+/// window of the period is spooled, all numbered at most `through`. The reconciler
+/// compares it with what the usage store applied of this node's windows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeCounters {
+    /// The node.
+    pub node: String,
+    /// The period, `YYYY-MM`.
+    pub period: String,
+    /// The last sequence number the node had spooled when the period was complete:
+    /// every window of the period is numbered at most this.
+    pub through: u64,
+    /// Calls per (kind, caller, product), in that order, each once.
+    pub rows: Vec<CounterRow>,
+    /// Runs of this node's numbers (inclusive) the usage store asked for again that the
+    /// spool no longer held: they will never come, and the counts stand for them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unavailable: Vec<(u64, u64)>,
+}
+
+/// One caller's calls on one product in a [`NodeCounters`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CounterRow {
+    /// What `caller` names.
+    pub kind: CallerKind,
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// The API product.
+    pub product: String,
+    /// Answers by status class: 1xx, 2xx, 3xx, 4xx, 5xx.
+    pub status: [u64; 5],
+}
+
+impl NodeCounters {
+    /// All calls counted.
+    pub fn calls(&self) -> u64 {
+        self.rows.iter().flat_map(|r| r.status).fold(0u64, u64::saturating_add)
+    }
+
+    /// Checks what JSON cannot: the names, the period, the order of rows and runs.
+    pub fn check(&self) -> Result<(), String> {
+        let what = format!("counters of node {:?} for {:?}", self.node, self.period);
+        if self.node.is_empty() || self.node.len() > 128 {
+            return Err(format!("{what}: node must be 1 to 128 bytes"));
+        }
+        if parse_month(&self.period).is_none() {
+            return Err(format!("{what}: period must be YYYY-MM"));
+        }
+        if self.through == 0 {
+            return Err(format!("{what}: through is the last number spooled, from 1"));
+        }
+        if self.rows.len() > MAX_ROWS {
+            return Err(format!("{what}: {} rows, at most {MAX_ROWS}", self.rows.len()));
+        }
+        for (i, r) in self.rows.iter().enumerate() {
+            if r.caller.is_empty() || r.caller.len() > 256 || r.product.len() > 256 {
+                return Err(format!("{what}: row {i}: caller and product are 1 to 256 bytes"));
+            }
+            if r.status.iter().try_fold(0u64, |a, &n| a.checked_add(n)).is_none() {
+                return Err(format!("{what}: row {i}: counts overflow"));
+            }
+            if i > 0 {
+                let p = &self.rows[i - 1];
+                if (p.kind, &p.caller, &p.product) >= (r.kind, &r.caller, &r.product) {
+                    return Err(format!("{what}: row {i}: rows are sorted by kind, caller and product, each once"));
+                }
+            }
+        }
+        if self.unavailable.len() > MAX_UNAVAILABLE {
+            return Err(format!("{what}: {} unavailable runs, at most {MAX_UNAVAILABLE}", self.unavailable.len()));
+        }
+        if let Some((from, to)) = self.unavailable.iter().find(|(from, to)| *from == 0 || from > to) {
+            return Err(format!("{what}: unavailable run {from}..{to}: give 1 <= from <= to"));
+        }
+        Ok(())
+    }
+
+    /// Whether number `seq` is in an unavailable run.
+    pub fn is_unavailable(&self, seq: u64) -> bool {
+        self.unavailable.iter().any(|&(from, to)| from <= seq && seq <= to)
+    }
+}
+
 /// The UTC date (year, month, day) of a Unix day number.
 pub fn civil(days: i64) -> (i64, u32, u32) {
     // Howard Hinnant's days-from-civil inverse.
@@ -456,6 +545,43 @@ mod tests {
         let empty = Window::new("n".into(), 8, 20, true, Vec::new());
         assert_eq!(empty.split(), vec![empty.clone()]);
         assert_eq!(empty.caller_key(), None);
+    }
+
+    #[test]
+    fn node_counters_are_checked_beyond_their_json() {
+        let row = |caller: &str, ok: u64| CounterRow {
+            kind: CallerKind::Key,
+            caller: caller.into(),
+            product: "search".into(),
+            status: [0, ok, 0, 1, 0],
+        };
+        let c = NodeCounters {
+            node: "n".into(),
+            period: "2026-11".into(),
+            through: 9,
+            rows: vec![row("a", 2), row("b", 3)],
+            unavailable: vec![(3, 4)],
+        };
+        assert_eq!(c.check(), Ok(()));
+        assert_eq!(c.calls(), 7);
+        assert!(c.is_unavailable(4) && !c.is_unavailable(5));
+        let json = serde_json::to_string(&c).unwrap_or_default();
+        assert_eq!(serde_json::from_str::<NodeCounters>(&json).ok(), Some(c.clone()));
+        let mut bad = c.clone();
+        bad.rows.swap(0, 1);
+        assert!(bad.check().unwrap_err().contains("sorted"));
+        let mut bad = c.clone();
+        bad.rows.push(row("b", 1));
+        assert!(bad.check().is_err());
+        let mut bad = c.clone();
+        bad.period = "2026-13".into();
+        assert!(bad.check().unwrap_err().contains("YYYY-MM"));
+        let mut bad = c.clone();
+        bad.unavailable = vec![(5, 4)];
+        assert!(bad.check().is_err());
+        let mut bad = c;
+        bad.rows[0].status = [u64::MAX, 1, 0, 0, 0];
+        assert!(bad.check().unwrap_err().contains("overflow"));
     }
 
     #[test]

@@ -230,6 +230,15 @@ impl Sink for KafkaSink {
     fn poll_missing(&mut self) -> Vec<(u64, u64)> {
         self.confirmed_missing()
     }
+
+    /// Counters go to the control plane (`--control`); without one they stay on the
+    /// node (in `counters.json` and `/readyz`) and the reconciler waits for them.
+    fn report(&mut self, counters: &postern_model::usage::NodeCounters) -> Result<(), String> {
+        match self.control.as_mut() {
+            Some(control) => control.put_counters(counters),
+            None => Err("no control plane to report usage counters to (--control)".into()),
+        }
+    }
 }
 
 impl KafkaSink {

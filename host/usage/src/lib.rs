@@ -9,8 +9,13 @@
 //! checkpoints the open window to `open.json`, so `kill -9` loses at most about a second
 //! of this node's calls. `usage-shipper` sends spooled windows in order through a
 //! [`Sink`]. Neither ever runs on a request worker.
+//!
+//! Beside the spool the node keeps its own [`counters`] of each billing period, counted
+//! from every window as it is spooled, and reports a period once it is complete, for the
+//! reconciler to compare with what the usage store applied.
 #![deny(missing_docs)]
 
+pub mod counters;
 pub mod kafka;
 pub mod meter;
 pub mod spool;
@@ -21,9 +26,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use postern_model::usage::{WINDOW_S, Window};
+use postern_model::usage::{NodeCounters, WINDOW_S, Window};
 use serde::{Deserialize, Serialize};
 
+pub use counters::Counters;
 pub use meter::{Call, Meter};
 pub use spool::{Opened, Spool, SpoolError, SpoolLimits};
 
@@ -38,6 +44,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const BATCH: usize = 64;
 /// Bytes sent in one batch at most (at least one window).
 const BATCH_BYTES: u64 = 4 << 20;
+/// How long after a failed counters report it is tried again.
+const REPORT_RETRY: Duration = Duration::from_secs(10);
 
 /// Where spooled windows go: the usage stream.
 pub trait Sink: Send {
@@ -51,6 +59,10 @@ pub trait Sink: Send {
     fn poll_missing(&mut self) -> Vec<(u64, u64)> {
         Vec::new()
     }
+
+    /// Reports the node's own counters of a period complete on it; `Ok` once the control
+    /// plane took them.
+    fn report(&mut self, counters: &NodeCounters) -> Result<(), String>;
 }
 
 /// Counters shown in `/readyz` and `/metrics`.
@@ -72,6 +84,12 @@ pub struct Stats {
     pub pending: AtomicU64,
     /// Windows rebuilt from a checkpoint after a crash.
     pub recovered: AtomicU64,
+    /// Period counters the control plane took.
+    pub reports: AtomicU64,
+    /// Failed counters reports.
+    pub report_errors: AtomicU64,
+    /// The last error writing the counters file, while it is failing.
+    pub counters_error: Mutex<Option<String>>,
     /// The last spool error, while the spool is failing.
     pub spool_error: Mutex<Option<String>>,
     /// The last send error, while sending is failing.
@@ -117,6 +135,8 @@ pub struct Usage {
     pub meter: Meter,
     /// The spool (locked by the closer, the shipper and re-sends; never by a request).
     pub spool: Mutex<Spool>,
+    /// The node's own per-period counters (locked after the spool, never before it).
+    counters: Mutex<Counters>,
     /// Counters.
     pub stats: Stats,
     node: String,
@@ -137,6 +157,21 @@ impl Usage {
     /// into records, and starts the closer and, with a sink, the shipper.
     pub fn start(settings: Settings, sink: Option<Box<dyn Sink>>) -> Result<Arc<Usage>, SpoolError> {
         let (spool, opened) = Spool::open(&settings.dir, &settings.node, settings.limits)?;
+        let mut counters = Counters::load(&settings.dir, &settings.node)
+            .map_err(|e| SpoolError::Io { path: settings.dir.join("counters.json"), source: e })?;
+        if counters.through() >= spool.next_seq() {
+            // Counts past the spool's numbers are another spool's (this one was lost and
+            // numbers again): they are kept aside, never mixed with this spool's.
+            tracing::error!(
+                through = counters.through(),
+                next = spool.next_seq(),
+                "usage counters count windows this spool never numbered: kept as counters.json.bad, counting again"
+            );
+            let path = settings.dir.join("counters.json");
+            std::fs::rename(&path, path.with_extension("json.bad")).map_err(|e| SpoolError::Io { path, source: e })?;
+            counters = Counters::load(&settings.dir, &settings.node)
+                .map_err(|e| SpoolError::Io { path: settings.dir.join("counters.json"), source: e })?;
+        }
         tracing::info!(
             dir = %settings.dir.display(),
             records = opened.records,
@@ -147,6 +182,7 @@ impl Usage {
         let usage = Arc::new(Usage {
             meter: Meter::new(),
             spool: Mutex::new(spool),
+            counters: Mutex::new(counters),
             stats: Stats::default(),
             node: settings.node,
             pending: Mutex::new(VecDeque::new()),
@@ -156,6 +192,7 @@ impl Usage {
             closer: Mutex::new(None),
             shipper: Mutex::new(None),
         });
+        usage.count_spooled()?;
         usage.recover()?;
         let u = usage.clone();
         *usage.closer.lock().unwrap_or_else(|p| p.into_inner()) = Some(spawn("usage-closer", move || u.close_loop())?);
@@ -173,6 +210,53 @@ impl Usage {
 
     fn lock_spool(&self) -> std::sync::MutexGuard<'_, Spool> {
         self.spool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_counters(&self) -> std::sync::MutexGuard<'_, Counters> {
+        self.counters.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Saves the counters, noting a failure for `/readyz` (the counts stay in memory and
+    /// the next save writes them).
+    fn save_counters(&self, counters: &mut Counters) {
+        let mut last = self.stats.counters_error.lock().unwrap_or_else(|p| p.into_inner());
+        match counters.save() {
+            Ok(()) => *last = None,
+            Err(e) => {
+                let msg = e.to_string();
+                if last.as_deref() != Some(&msg) {
+                    tracing::error!(error = %msg, "usage counters not written; retried with the next window");
+                }
+                *last = Some(msg);
+            }
+        }
+    }
+
+    /// Counts the spooled records the counters file does not have yet (written after
+    /// its last save, before a crash): the counters are saved before a record can be
+    /// shipped and freed, so every such record is still in the spool.
+    fn count_spooled(&self) -> Result<(), SpoolError> {
+        let spool = self.lock_spool();
+        let mut counters = self.lock_counters();
+        let mut from = counters.through() + 1;
+        let mut counted = 0u64;
+        loop {
+            let batch = spool.read(from, BATCH, BATCH_BYTES)?;
+            let Some(&(last, _)) = batch.last() else { break };
+            for (seq, bytes) in &batch {
+                match serde_json::from_slice::<Window>(bytes) {
+                    Ok(w) => counters.count(&w),
+                    Err(e) => tracing::error!(seq, error = %e, "usage spool record unreadable: not counted"),
+                }
+                counted += 1;
+            }
+            from = last + 1;
+        }
+        if counted > 0 {
+            tracing::info!(windows = counted, through = counters.through(), "usage counters caught up with the spool");
+            self.save_counters(&mut counters);
+        }
+        Ok(())
     }
 
     /// Appends the windows of a crashed run's checkpoint that no later record closed.
@@ -206,6 +290,10 @@ impl Usage {
                 w.seq = seq;
                 serde_json::to_vec(&w).unwrap_or_default()
             })?;
+            let mut counters = self.lock_counters();
+            counters.count(&w);
+            self.save_counters(&mut counters);
+            drop(counters);
             self.stats.recovered.fetch_add(1, Ordering::Relaxed);
             self.stats.spooled.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(seq = w.seq, start = w.start, "usage window recovered from the last checkpoint");
@@ -234,6 +322,7 @@ impl Usage {
             return;
         }
         let mut spool = self.lock_spool();
+        let mut counters = self.lock_counters();
         let mut wrote = false;
         while let Some(w) = pending.front_mut() {
             let appended = spool.append(|seq| {
@@ -242,6 +331,7 @@ impl Usage {
             });
             match appended {
                 Ok(_) => {
+                    counters.count(w);
                     pending.pop_front();
                     wrote = true;
                     self.stats.spooled.fetch_add(1, Ordering::Relaxed);
@@ -260,6 +350,12 @@ impl Usage {
             }
         }
         self.stats.pending.store(pending.len() as u64, Ordering::Relaxed);
+        // Saved before the shipper can read what was appended (it takes the spool's
+        // lock): a window is never shipped and freed uncounted.
+        if wrote {
+            self.save_counters(&mut counters);
+        }
+        drop(counters);
         drop(spool);
         drop(pending);
         if wrote {
@@ -314,6 +410,13 @@ impl Usage {
                 self.close_into_pending(cutoff);
             }
             self.flush_pending();
+            if self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                // Every window before the open one is spooled: the periods ended by then
+                // are complete on this node.
+                let mut counters = self.lock_counters();
+                counters.complete_before(self.meter.open_from() * WINDOW_S);
+                self.save_counters(&mut counters);
+            }
             if stopping {
                 if self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
                     let _ = std::fs::remove_file(self.checkpoint_path());
@@ -336,6 +439,7 @@ impl Usage {
         // is sent again once: a run the spool no longer holds is reported, not retried).
         let mut resend: VecDeque<(u64, u64)> = VecDeque::new();
         let mut asked: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
+        let mut next_report = Instant::now();
         loop {
             let stopping = self.ship_stop.load(Ordering::Acquire);
             let again = resend.front().copied();
@@ -366,6 +470,10 @@ impl Usage {
                         to = first.min(to + 1) - 1,
                         "usage windows asked for again are no longer in the spool"
                     );
+                    // The node's counters stand for them: the reconciler learns which.
+                    let mut counters = self.lock_counters();
+                    counters.unavailable(from, first.min(to + 1) - 1);
+                    self.save_counters(&mut counters);
                 }
                 if batch.is_empty() {
                     resend.pop_front();
@@ -373,6 +481,9 @@ impl Usage {
                 }
             }
             let Some(&(last, _)) = batch.last() else {
+                if again.is_none() && (stopping || Instant::now() >= next_report) && !self.report(&mut *sink) {
+                    next_report = Instant::now() + REPORT_RETRY;
+                }
                 if stopping {
                     return;
                 }
@@ -425,6 +536,29 @@ impl Usage {
                 }
             }
         }
+    }
+
+    /// Sends the reports of periods complete on this node that the control plane has not
+    /// taken; whether every one was taken.
+    fn report(&self, sink: &mut dyn Sink) -> bool {
+        let due = self.lock_counters().due();
+        for c in &due {
+            match sink.report(c) {
+                Ok(()) => {
+                    self.stats.reports.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(period = %c.period, through = c.through, calls = c.calls(), "usage counters reported");
+                    let mut counters = self.lock_counters();
+                    counters.reported(c);
+                    self.save_counters(&mut counters);
+                }
+                Err(e) => {
+                    self.stats.report_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(period = %c.period, error = %e, "usage counters not reported; retrying");
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     /// Queues the runs the usage store lacks for a re-send: only what was acknowledged
@@ -497,6 +631,8 @@ impl Usage {
         let spool = self.lock_spool();
         let spool_error = self.stats.spool_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let ship_error = self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let counters_error = self.stats.counters_error.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let counters = self.lock_counters().state();
         serde_json::json!({
             "metered": true,
             "node": self.node,
@@ -512,6 +648,10 @@ impl Usage {
             "ship_errors": self.stats.ship_errors.load(Ordering::Relaxed),
             "resent": self.stats.resent.load(Ordering::Relaxed),
             "resend_unavailable": self.stats.resend_unavailable.load(Ordering::Relaxed),
+            "counters": counters,
+            "counters_error": counters_error,
+            "counter_reports": self.stats.reports.load(Ordering::Relaxed),
+            "counter_report_errors": self.stats.report_errors.load(Ordering::Relaxed),
         })
     }
 }
@@ -563,17 +703,25 @@ impl HttpSink {
         self.exchange(url, req, bytes::Bytes::new())
     }
 
-    /// Sends `req` with `body` and reads the [`UsageAck`](postern_model::protocol::UsageAck)
-    /// it is answered: the runs it names of this node's numbers.
-    fn exchange(
+    /// Reports the node's own counters of a period (`PUT /v1/nodes/<node>/usage/counters`).
+    pub fn put_counters(&mut self, counters: &NodeCounters) -> Result<(), String> {
+        let url = format!("{}{}", self.base, postern_model::protocol::counters_path(&self.node));
+        let body = serde_json::to_vec(counters).map_err(|e| e.to_string())?;
+        let req = http::Request::put(&url)
+            .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        self.send(&url, req).map(|_| ())
+    }
+
+    /// Sends `req` (10 s at most); the body of a success, the status and body otherwise.
+    fn send(
         &mut self,
-        url: String,
-        req: http::request::Builder,
-        body: bytes::Bytes,
-    ) -> Result<Vec<(u64, u64)>, String> {
-        let req = req.body(http_body_util::Full::new(body)).map_err(|e| e.to_string())?;
+        url: &str,
+        req: http::Request<http_body_util::Full<bytes::Bytes>>,
+    ) -> Result<bytes::Bytes, String> {
         let client = self.client.clone();
-        let node = self.node.clone();
         self.rt.block_on(async move {
             let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
                 .await
@@ -585,10 +733,23 @@ impl HttpSink {
             if !status.is_success() {
                 return Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()));
             }
-            let ack: postern_model::protocol::UsageAck =
-                serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
-            Ok(ack.missing.into_iter().filter(|m| m.node == node).map(|m| (m.from, m.to)).collect())
+            Ok(body)
         })
+    }
+
+    /// Sends `req` with `body` and reads the [`UsageAck`](postern_model::protocol::UsageAck)
+    /// it is answered: the runs it names of this node's numbers.
+    fn exchange(
+        &mut self,
+        url: String,
+        req: http::request::Builder,
+        body: bytes::Bytes,
+    ) -> Result<Vec<(u64, u64)>, String> {
+        let req = req.body(http_body_util::Full::new(body)).map_err(|e| e.to_string())?;
+        let body = self.send(&url, req)?;
+        let ack: postern_model::protocol::UsageAck =
+            serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
+        Ok(ack.missing.into_iter().filter(|m| m.node == self.node).map(|m| (m.from, m.to)).collect())
     }
 }
 
@@ -614,5 +775,9 @@ impl Sink for HttpSink {
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
             .header(http::header::CONTENT_TYPE, "application/json");
         self.exchange(self.url.clone(), req, bytes::Bytes::from(body))
+    }
+
+    fn report(&mut self, counters: &NodeCounters) -> Result<(), String> {
+        self.put_counters(counters)
     }
 }
