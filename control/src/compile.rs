@@ -146,6 +146,63 @@ fn parse_ms(s: &str) -> Result<u64, String> {
     Ok(ms)
 }
 
+/// A cluster's `breaker:`, each field checked against its range (errors name the field);
+/// what is absent or refused keeps its default.
+fn compile_breaker(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    doc: &crate::config::BreakerDoc,
+    owner: Option<&str>,
+) -> postern_model::BreakerSpec {
+    let mut spec = postern_model::BreakerSpec::default();
+    let duration = |cx: &mut Ctx, name: &str, value: &Option<String>, (min, max): (u64, u64), out: &mut u32| {
+        let Some(v) = value else { return };
+        match humantime::parse_duration(v) {
+            Ok(d) if (min..=max).contains(&u64::try_from(d.as_millis()).unwrap_or(u64::MAX)) => {
+                *out = u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
+            }
+            Ok(_) => cx.error(
+                file,
+                format!("{field}.breaker.{name}"),
+                format!(
+                    "{v} is out of range ({} to {})",
+                    humantime::format_duration(Duration::from_millis(min)),
+                    humantime::format_duration(Duration::from_millis(max))
+                ),
+                owner,
+            ),
+            Err(e) => cx.error(
+                file,
+                format!("{field}.breaker.{name}"),
+                format!("{v:?} is not a duration like 10s: {e}"),
+                owner,
+            ),
+        }
+    };
+    duration(cx, "window", &doc.window, (1_000, 300_000), &mut spec.window_ms);
+    duration(cx, "openFor", &doc.open_for, (100, 300_000), &mut spec.open_ms);
+    let number = |cx: &mut Ctx, name: &str, value: Option<u32>, (min, max): (u32, u32)| -> Option<u32> {
+        let v = value?;
+        if (min..=max).contains(&v) {
+            Some(v)
+        } else {
+            cx.error(file, format!("{field}.breaker.{name}"), format!("{v} is out of range ({min} to {max})"), owner);
+            None
+        }
+    };
+    if let Some(v) = number(cx, "minRequests", doc.min_requests, (1, 1_000_000)) {
+        spec.min_requests = v;
+    }
+    if let Some(v) = number(cx, "failurePercent", doc.failure_percent.map(u32::from), (1, 99)) {
+        spec.failure_percent = u8::try_from(v).unwrap_or(50);
+    }
+    if let Some(v) = number(cx, "probePercent", doc.probe_percent.map(u32::from), (1, 100)) {
+        spec.probe_percent = u8::try_from(v).unwrap_or(5);
+    }
+    spec
+}
+
 fn parse_date(s: &str) -> Result<i64, String> {
     let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is not an RFC 3339 date: {e}"))?;
     let secs = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
@@ -257,7 +314,8 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         if max_connections == 0 || max_connections > postern_model::MAX_CONNECTIONS_LIMIT {
             cx.error(&clusters_path, format!("{field}.maxConnections"), "must be 1 to 65536", None);
         }
-        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections });
+        let breaker = compile_breaker(&mut cx, &clusters_path, &field, &c.breaker, c.owner.as_deref());
+        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker });
     }
 
     let ownership_path = root.join("platform/ownership.yaml");

@@ -38,6 +38,30 @@ pub struct ClusterDoc {
     /// Requests in flight to the cluster at most (default 1024, at most 65536).
     #[serde(default, rename = "maxConnections")]
     pub max_connections: Option<u32>,
+    /// The cluster's circuit breaker on each node (every field has a default).
+    #[serde(default)]
+    pub breaker: BreakerDoc,
+}
+
+/// `breaker:` of a cluster.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BreakerDoc {
+    /// The sliding window failures are judged over (default 10s, 1s to 5m).
+    #[serde(default)]
+    pub window: Option<String>,
+    /// Requests in the window before it may open (default 100, 1 to 1000000).
+    #[serde(default)]
+    pub min_requests: Option<u32>,
+    /// It opens when more than this percentage failed (default 50, 1 to 99).
+    #[serde(default)]
+    pub failure_percent: Option<u8>,
+    /// How long it stays open before probing (default 10s, 100ms to 5m).
+    #[serde(default)]
+    pub open_for: Option<String>,
+    /// The percentage let through as probes while half-open (default 5, 1 to 100).
+    #[serde(default)]
+    pub probe_percent: Option<u8>,
 }
 
 /// `platform/gateway.yaml`: settings of the data plane that every route shares.

@@ -25,6 +25,7 @@ fn snapshot(routes: usize) -> Snapshot {
                 endpoints: vec![format!("10.0.{}.{}:8080", c / 250, c % 250 + 1)],
                 owner: None,
                 max_connections: 1024,
+                breaker: Default::default(),
             },
         );
     }

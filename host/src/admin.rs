@@ -39,8 +39,12 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
                     "keys": s.keys.load(std::sync::atomic::Ordering::Relaxed),
                 }),
             };
+            let now = std::time::Instant::now();
+            let clusters: serde_json::Map<String, serde_json::Value> =
+                live.upstreams.iter().map(|u| (u.name.to_string(), u.state(now))).collect();
             let body = serde_json::json!({
                 "ready": true,
+                "clusters": clusters,
                 "ratelimit": ratelimit,
                 "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
                 "credentials": {"version": creds.version, "keys": keys, "signing_keys": signing_keys, "apps": apps, "deny": deny},
@@ -50,6 +54,7 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
         }
         "/metrics" => {
             let mut out = gw.metrics.render();
+            crate::metrics::render_upstreams(&mut out, &gw.live.load().upstreams);
             crate::metrics::render_auth(&mut out, &gw.auth.stats);
             if let Some(s) = &gw.ratesync {
                 crate::metrics::render_ratesync(&mut out, s);

@@ -72,6 +72,10 @@ pub enum ProxyError {
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
+    /// The cluster's circuit breaker is open (or probing and this request is not a
+    /// probe); the duration is when to try again.
+    #[error("the route's cluster is failing: its circuit breaker is open")]
+    CircuitOpen(Duration),
     /// The route's backend has no endpoint to send to.
     #[error("the route's cluster has no endpoints")]
     NoEndpoint,
@@ -107,6 +111,7 @@ impl ProxyError {
             | ProxyError::BodyTimeout
             | ProxyError::BodyBroken(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
+            | ProxyError::CircuitOpen(_)
             | ProxyError::NoEndpoint
             | ProxyError::ConnectTimeout(_)
             | ProxyError::ConnectRefused(_) => Origin::UpstreamConnect,

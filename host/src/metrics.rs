@@ -406,6 +406,39 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
     write_rows(out, &rows);
 }
 
+/// Each cluster's breaker and in-flight requests on this node (a series per cluster, a
+/// bounded set: clusters come from the platform's config).
+pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upstream>]) {
+    let now = std::time::Instant::now();
+    let families: [(&str, &str, &str); 4] = [
+        (
+            "postern_upstream_breaker_open",
+            "gauge",
+            "1 while the cluster's circuit breaker refuses requests (open or probing).",
+        ),
+        ("postern_upstream_breaker_opened_total", "counter", "Times the cluster's circuit breaker opened."),
+        (
+            "postern_upstream_breaker_refused_total",
+            "counter",
+            "Requests the cluster's circuit breaker answered 503 circuit_open.",
+        ),
+        ("postern_upstream_in_flight", "gauge", "Requests in flight to the cluster."),
+    ];
+    for (i, (name, kind, help)) in families.iter().enumerate() {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for u in upstreams {
+            let b = &u.breaker;
+            let v = match i {
+                0 => u64::from(b.state(now) != postern_protect::State::Closed),
+                1 => b.opened(),
+                2 => b.refused(),
+                _ => u64::from(u.in_flight()),
+            };
+            let _ = writeln!(out, "{name}{{cluster=\"{}\"}} {v}", escape(&u.name));
+        }
+    }
+}
+
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }

@@ -332,6 +332,7 @@ async fn forward<'l>(
     let upstream = upstream.ok_or(ProxyError::NoEndpoint)?;
     let endpoint = upstream.pick().cloned().ok_or(ProxyError::NoEndpoint)?;
     let permit = upstream.permit().ok_or(ProxyError::UpstreamOverloaded)?;
+    let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
 
     let pq = match &route.rewrite {
         None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
@@ -380,11 +381,24 @@ async fn forward<'l>(
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     let result = tokio::time::timeout(left, route.client.request(up)).await;
-    ex.waited = sent.elapsed();
+    let done = Instant::now();
+    ex.waited = done.saturating_duration_since(sent);
+    // The breaker judges the backend by its answer's head: a timeout, a failed exchange
+    // or a 5xx is a failure; a body over the route's limit is the caller's.
     let resp = match result {
-        Err(_) => return Err(ProxyError::ResponseTimeout { timeout: route.response_timeout }.into()),
-        Ok(Err(e)) => return Err(ProxyError::from_client(e, route.max_body_bytes).into()),
-        Ok(Ok(resp)) => resp,
+        Err(_) => {
+            upstream.breaker.record(ticket, true, done);
+            return Err(ProxyError::ResponseTimeout { timeout: route.response_timeout }.into());
+        }
+        Ok(Err(e)) => {
+            let e = ProxyError::from_client(e, route.max_body_bytes);
+            upstream.breaker.record(ticket, e.origin() != crate::error::Origin::Downstream, done);
+            return Err(e.into());
+        }
+        Ok(Ok(resp)) => {
+            upstream.breaker.record(ticket, resp.status().is_server_error(), done);
+            resp
+        }
     };
 
     let (mut rp, rb) = resp.into_parts();

@@ -35,6 +35,8 @@ pub fn error(e: &ProxyError) -> Problem {
             Problem::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", detail)
         }
         ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail),
+        ProxyError::CircuitOpen(after) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "circuit_open", detail)
+            .with_header(http::header::RETRY_AFTER, HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64)),
         ProxyError::FilterPath(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "filter_failed", detail),
         ProxyError::UpstreamProtocol(d) => Problem::new(StatusCode::BAD_GATEWAY, "upstream_protocol_error", *d),
         ProxyError::Internal(d) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", *d),
@@ -107,5 +109,8 @@ mod tests {
         assert_eq!((allow.status.as_u16(), allow.code), (405, "method_not_allowed"));
         assert_eq!(allow.headers[http::header::ALLOW], "GET");
         assert_eq!(error(&ProxyError::NoEndpoint).code, "upstream_unavailable");
+        let open = error(&ProxyError::CircuitOpen(std::time::Duration::from_millis(8_200)));
+        assert_eq!((open.status.as_u16(), open.code), (503, "circuit_open"));
+        assert_eq!(open.headers[http::header::RETRY_AFTER], "9");
     }
 }

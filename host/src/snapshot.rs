@@ -49,6 +49,9 @@ pub struct Upstream {
     /// Requests in flight to the cluster, kept across snapshots.
     inflight: Arc<AtomicU32>,
     max_inflight: u32,
+    /// The cluster's circuit breaker on this node, kept across snapshots while its
+    /// settings stay the same.
+    pub breaker: Arc<postern_protect::Breaker>,
 }
 
 impl Upstream {
@@ -60,6 +63,27 @@ impl Upstream {
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
         self.endpoints.get(i)
+    }
+
+    /// Requests in flight to the cluster now.
+    pub fn in_flight(&self) -> u32 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// What `/readyz` shows of the cluster.
+    pub fn state(&self, now: std::time::Instant) -> serde_json::Value {
+        let b = &self.breaker;
+        let state = b.state(now);
+        let mut breaker = serde_json::json!({"state": state.as_str(), "opened": b.opened(), "refused": b.refused()});
+        if let postern_protect::State::Open(left) = state {
+            breaker["probing_in_ms"] = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).into();
+        }
+        serde_json::json!({
+            "endpoints": self.endpoints.len(),
+            "in_flight": self.in_flight(),
+            "max_in_flight": self.max_inflight,
+            "breaker": breaker,
+        })
     }
 
     /// A place in the cluster's connection cap, or `None` when it is full.
@@ -150,6 +174,8 @@ pub struct Live {
     pub route_count: usize,
     /// How request paths are made canonical before routing.
     pub paths: postern_model::path::PathPolicy,
+    /// The clusters, by name.
+    pub upstreams: Vec<Arc<Upstream>>,
     public: Router<CompiledRoute>,
     partner: Router<CompiledRoute>,
 }
@@ -175,14 +201,33 @@ impl Live {
 #[derive(Debug)]
 pub struct Builder {
     clients: Mutex<Clients>,
-    /// Requests in flight per cluster name, shared by every snapshot's upstreams.
-    gates: Mutex<HashMap<String, Arc<AtomicU32>>>,
+    /// Per cluster name, what every snapshot's upstreams share: requests in flight and
+    /// the breaker.
+    gates: Mutex<HashMap<String, Guards>>,
     metrics: Arc<Metrics>,
     node: Node,
     wasm: Option<Arc<postern_wasm::Runtime>>,
     modules_dir: PathBuf,
     /// The control plane keys snapshots must be signed by (none: any snapshot file).
     trust: Option<Arc<postern_model::sign::Trust>>,
+}
+
+/// A cluster's state that outlives snapshots.
+#[derive(Debug)]
+struct Guards {
+    inflight: Arc<AtomicU32>,
+    breaker: Arc<postern_protect::Breaker>,
+}
+
+/// The breaker's settings from the snapshot's.
+fn breaker_config(b: &postern_model::BreakerSpec) -> postern_protect::BreakerConfig {
+    postern_protect::BreakerConfig {
+        window: Duration::from_millis(u64::from(b.window_ms)),
+        min_requests: b.min_requests,
+        failure_percent: b.failure_percent,
+        open_for: Duration::from_millis(u64::from(b.open_ms)),
+        probe_percent: b.probe_percent,
+    }
 }
 
 /// Verified access tokens kept per node.
@@ -315,14 +360,24 @@ impl Builder {
                 })?;
                 endpoints.push(a);
             }
+            let config = breaker_config(&c.breaker);
+            let guards = gates.entry(name.clone()).or_insert_with(|| Guards {
+                inflight: Arc::default(),
+                breaker: Arc::new(postern_protect::Breaker::new(config, std::time::Instant::now())),
+            });
+            if *guards.breaker.config() != config {
+                // New settings start a new breaker (closed, with an empty window).
+                guards.breaker = Arc::new(postern_protect::Breaker::new(config, std::time::Instant::now()));
+            }
             upstreams.insert(
                 name,
                 Arc::new(Upstream {
                     name: Arc::from(name.as_str()),
                     endpoints,
                     next: AtomicUsize::new(0),
-                    inflight: gates.entry(name.clone()).or_default().clone(),
+                    inflight: guards.inflight.clone(),
                     max_inflight: c.max_connections.max(1),
+                    breaker: guards.breaker.clone(),
                 }),
             );
         }
@@ -410,11 +465,14 @@ impl Builder {
             };
             table.add(&spec, compiled).map_err(|e| err(e.to_string()))?;
         }
+        let mut upstreams: Vec<Arc<Upstream>> = upstreams.into_values().collect();
+        upstreams.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(Live {
             version,
             hash,
             loaded_at: SystemTime::now(),
             route_count: snapshot.routes.len(),
+            upstreams,
             paths: snapshot.paths,
             public: public.build(),
             partner: partner.build(),

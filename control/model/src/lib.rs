@@ -271,6 +271,36 @@ pub struct Cluster {
     /// request over the cap is refused with 503 `upstream_overloaded`.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
+    /// The cluster's circuit breaker on each node.
+    #[serde(default)]
+    pub breaker: BreakerSpec,
+}
+
+/// When a cluster's circuit breaker opens and how it probes (per node): it opens when
+/// more than `failure_percent` of at least `min_requests` requests in `window_ms` failed
+/// (a connect failure, a timeout, a reset, a 5xx from the backend), refuses with 503
+/// `circuit_open` for `open_ms`, then lets `probe_percent` through as probes and closes
+/// on a probe's success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSpec {
+    /// The sliding window outcomes are judged over, in ms.
+    pub window_ms: u32,
+    /// Requests in the window before it may open.
+    pub min_requests: u32,
+    /// It opens when more than this percentage of them failed.
+    pub failure_percent: u8,
+    /// How long it stays open before probing, in ms.
+    pub open_ms: u32,
+    /// The percentage of requests let through as probes while half-open.
+    pub probe_percent: u8,
+}
+
+impl Default for BreakerSpec {
+    /// More than half of at least 100 requests in 10 s; open 10 s; 5 % probes.
+    fn default() -> BreakerSpec {
+        BreakerSpec { window_ms: 10_000, min_requests: 100, failure_percent: 50, open_ms: 10_000, probe_percent: 5 }
+    }
 }
 
 /// [`Cluster::max_connections`] when a cluster does not set it.
