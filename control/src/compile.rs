@@ -203,6 +203,86 @@ fn compile_breaker(
     spec
 }
 
+/// A cluster's `retryBudget:`, each field checked against its range.
+fn compile_budget(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    doc: &crate::config::RetryBudgetDoc,
+    owner: Option<&str>,
+) -> postern_model::RetryBudgetSpec {
+    let mut spec = postern_model::RetryBudgetSpec::default();
+    if let Some(v) = &doc.window {
+        match humantime::parse_duration(v).map(|d| d.as_millis()) {
+            Ok(ms) if (1_000..=300_000).contains(&ms) => spec.window_ms = u32::try_from(ms).unwrap_or(10_000),
+            Ok(_) => {
+                cx.error(file, format!("{field}.retryBudget.window"), format!("{v} is out of range (1s to 5m)"), owner)
+            }
+            Err(e) => cx.error(
+                file,
+                format!("{field}.retryBudget.window"),
+                format!("{v:?} is not a duration like 10s: {e}"),
+                owner,
+            ),
+        }
+    }
+    match doc.percent {
+        Some(p) if p > 100 => {
+            cx.error(file, format!("{field}.retryBudget.percent"), format!("{p} is out of range (0 to 100)"), owner)
+        }
+        Some(p) => spec.percent = p,
+        None => {}
+    }
+    match doc.min_retries {
+        Some(n) if n > 100_000 => cx.error(
+            file,
+            format!("{field}.retryBudget.minRetries"),
+            format!("{n} is out of range (0 to 100000)"),
+            owner,
+        ),
+        Some(n) => spec.min_retries = n,
+        None => {}
+    }
+    spec
+}
+
+/// A route's `retry:`: known methods only, and a POST only where the service honours
+/// `Idempotency-Key`.
+fn compile_retry(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    doc: &crate::config::RetryDoc,
+    owner: Option<&str>,
+) -> postern_model::RetryPolicy {
+    let mut policy = postern_model::RetryPolicy { idempotency_key: doc.idempotency_key, ..Default::default() };
+    if let Some(methods) = &doc.methods {
+        policy.methods.clear();
+        for (i, m) in methods.iter().enumerate() {
+            let upper = m.to_ascii_uppercase();
+            match upper.as_str() {
+                "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" => policy.methods.push(upper),
+                "POST" if doc.idempotency_key => policy.methods.push(upper),
+                "POST" => cx.error(
+                    file,
+                    format!("{field}.retry.methods[{i}]"),
+                    "a POST is retried only on a route whose service honours Idempotency-Key: set retry.idempotencyKey: true",
+                    owner,
+                ),
+                _ => cx.error(
+                    file,
+                    format!("{field}.retry.methods[{i}]"),
+                    format!("{m:?} may not be retried (GET, HEAD, OPTIONS, PUT, DELETE, or POST with idempotencyKey)"),
+                    owner,
+                ),
+            }
+        }
+    } else if doc.idempotency_key {
+        policy.methods.push("POST".to_owned());
+    }
+    policy
+}
+
 fn parse_date(s: &str) -> Result<i64, String> {
     let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is not an RFC 3339 date: {e}"))?;
     let secs = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
@@ -315,7 +395,9 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
             cx.error(&clusters_path, format!("{field}.maxConnections"), "must be 1 to 65536", None);
         }
         let breaker = compile_breaker(&mut cx, &clusters_path, &field, &c.breaker, c.owner.as_deref());
-        out_clusters.insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker });
+        let retry_budget = compile_budget(&mut cx, &clusters_path, &field, &c.retry_budget, c.owner.as_deref());
+        out_clusters
+            .insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker, retry_budget });
     }
 
     let ownership_path = root.join("platform/ownership.yaml");
@@ -690,6 +772,7 @@ fn compile_route(
         Deprecation { since, sunset, link: d.link.clone() }
     });
 
+    let retry = compile_retry(cx, file, field, &r.retry, owner);
     if cx.diags.len() != before {
         return None;
     }
@@ -716,6 +799,7 @@ fn compile_route(
         buffer_body: r.buffer_body,
         auth,
         rate_limit,
+        retry,
     })
 }
 

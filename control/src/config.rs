@@ -41,6 +41,36 @@ pub struct ClusterDoc {
     /// The cluster's circuit breaker on each node (every field has a default).
     #[serde(default)]
     pub breaker: BreakerDoc,
+    /// How much each node may retry to the cluster (every field has a default).
+    #[serde(default, rename = "retryBudget")]
+    pub retry_budget: RetryBudgetDoc,
+}
+
+/// `retryBudget:` of a cluster.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RetryBudgetDoc {
+    /// The sliding window requests and retries are counted over (default 10s, 1s to 5m).
+    #[serde(default)]
+    pub window: Option<String>,
+    /// Retries may be this percentage of the requests (default 10, 0 to 100).
+    #[serde(default)]
+    pub percent: Option<u8>,
+    /// ...or this many in the window, whichever is more (default 10, 0 to 100000).
+    #[serde(default)]
+    pub min_retries: Option<u32>,
+}
+
+/// `retry:` of a route.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RetryDoc {
+    /// Methods that may be retried (default GET, HEAD, OPTIONS, PUT, DELETE; `[]` for none).
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// The service honours `Idempotency-Key`, so a POST carrying one may be retried.
+    #[serde(default)]
+    pub idempotency_key: bool,
 }
 
 /// `breaker:` of a cluster.
@@ -151,6 +181,9 @@ pub struct RouteDoc {
     /// Buffer the request body (maxBodyBytes at most 1 MiB) so filters see it.
     #[serde(default)]
     pub buffer_body: bool,
+    /// Which requests may be retried on another host of the cluster.
+    #[serde(default)]
+    pub retry: RetryDoc,
     /// Wasm filters, run in order after the built-in ones.
     #[serde(default)]
     pub wasm_filters: Vec<WasmAttachDoc>,

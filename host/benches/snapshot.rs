@@ -26,6 +26,7 @@ fn snapshot(routes: usize) -> Snapshot {
                 owner: None,
                 max_connections: 1024,
                 breaker: Default::default(),
+                retry_budget: Default::default(),
             },
         );
     }
@@ -65,6 +66,7 @@ fn snapshot(routes: usize) -> Snapshot {
                 product: "orders".into(),
             }),
             rate_limit: None,
+            retry: Default::default(),
         });
     }
     let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();

@@ -410,7 +410,7 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
 /// bounded set: clusters come from the platform's config).
 pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upstream>]) {
     let now = std::time::Instant::now();
-    let families: [(&str, &str, &str); 4] = [
+    let families: [(&str, &str, &str); 6] = [
         (
             "postern_upstream_breaker_open",
             "gauge",
@@ -423,6 +423,8 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
             "Requests the cluster's circuit breaker answered 503 circuit_open.",
         ),
         ("postern_upstream_in_flight", "gauge", "Requests in flight to the cluster."),
+        ("postern_upstream_retries_total", "counter", "Requests sent once more to another host of the cluster."),
+        ("postern_upstream_retries_denied_total", "counter", "Retries the cluster's spent retry budget refused."),
     ];
     for (i, (name, kind, help)) in families.iter().enumerate() {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -432,7 +434,9 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
                 0 => u64::from(b.state(now) != postern_protect::State::Closed),
                 1 => b.opened(),
                 2 => b.refused(),
-                _ => u64::from(u.in_flight()),
+                3 => u64::from(u.in_flight()),
+                4 => u.budget.retried(),
+                _ => u.budget.denied(),
             };
             let _ = writeln!(out, "{name}{{cluster=\"{}\"}} {v}", escape(&u.name));
         }

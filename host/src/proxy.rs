@@ -23,7 +23,7 @@ use crate::error::ProxyError;
 use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
 use crate::metrics::Metrics;
 use crate::respond;
-use crate::snapshot::{CompiledRoute, Live, Rewrite};
+use crate::snapshot::{CompiledRoute, Live, Rewrite, Upstream};
 use http_body_util::BodyExt;
 
 /// Shared state of the data plane.
@@ -378,28 +378,40 @@ async fn forward<'l>(
     } else {
         UpstreamBody::Stream(body)
     };
+    // A request with no body is replayable as it is.
+    let body = match body {
+        UpstreamBody::Stream(b) if http_body::Body::is_end_stream(&b) => UpstreamBody::Full(None),
+        body => body,
+    };
+    // What is needed to send it once more, kept only for a request that may be retried:
+    // a method the route allows (a POST only with `Idempotency-Key` on a route whose
+    // service honours it), a cluster with another host, a body already in hand and small.
+    let replay = match &body {
+        UpstreamBody::Full(b)
+            if b.as_ref().map_or(0, |b| b.len() as u64) <= postern_model::RETRY_BODY_BYTES
+                && upstream.has_other()
+                && route.retry.allows(&parts.method, &parts.headers) =>
+        {
+            Some(Replay {
+                method: parts.method.clone(),
+                uri: parts.uri.clone(),
+                headers: parts.headers.clone(),
+                body: b.clone(),
+            })
+        }
+        _ => None,
+    };
+    upstream.budget.request(ex.start);
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
-    let result = tokio::time::timeout(left, route.client.request(up)).await;
-    let done = Instant::now();
-    ex.waited = done.saturating_duration_since(sent);
-    // The breaker judges the backend by its answer's head: a timeout, a failed exchange
-    // or a 5xx is a failure; a body over the route's limit is the caller's.
-    let resp = match result {
-        Err(_) => {
-            upstream.breaker.record(ticket, true, done);
-            return Err(ProxyError::ResponseTimeout { timeout: route.response_timeout }.into());
-        }
-        Ok(Err(e)) => {
-            let e = ProxyError::from_client(e, route.max_body_bytes);
-            upstream.breaker.record(ticket, e.origin() != crate::error::Origin::Downstream, done);
-            return Err(e.into());
-        }
-        Ok(Ok(resp)) => {
-            upstream.breaker.record(ticket, resp.status().is_server_error(), done);
-            resp
-        }
-    };
+    let mut result = exchange(route, upstream, ticket, up, left).await;
+    if let Some(r) = replay
+        && retriable(&result)
+    {
+        result = retry(route, upstream, r, ex.start, result).await;
+    }
+    ex.waited = Instant::now().saturating_duration_since(sent);
+    let resp = result?;
 
     let (mut rp, rb) = resp.into_parts();
     if rp.status.is_informational() {
@@ -416,6 +428,97 @@ async fn forward<'l>(
     }
     let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle), permit: Some(permit) };
     Ok(Response::from_parts(rp, body))
+}
+
+/// A request as it went to the backend, kept to send it once more.
+struct Replay {
+    method: http::Method,
+    uri: Uri,
+    headers: http::HeaderMap,
+    body: Option<bytes::Bytes>,
+}
+
+/// A backend's mark on a 503 that says it did not process the request (safe to retry).
+const X_NOT_PROCESSED: HeaderName = HeaderName::from_static("x-postern-not-processed");
+/// The mark on a retried request, so the backend (or a proxy behind it) does not retry it
+/// again.
+const X_RETRY: HeaderName = HeaderName::from_static("x-postern-retry");
+
+/// Sends one request to the cluster within `left` and tells the breaker how it went: a
+/// timeout, a failed exchange or a 5xx is a failure; a body over the route's limit is the
+/// caller's.
+async fn exchange(
+    route: &CompiledRoute,
+    upstream: &Upstream,
+    ticket: postern_protect::Ticket,
+    up: Request<UpstreamBody>,
+    left: Duration,
+) -> Result<Response<Incoming>, ProxyError> {
+    let result = tokio::time::timeout(left, route.client.request(up)).await;
+    let done = Instant::now();
+    match result {
+        Err(_) => {
+            upstream.breaker.record(ticket, true, done);
+            Err(ProxyError::ResponseTimeout { timeout: route.response_timeout })
+        }
+        Ok(Err(e)) => {
+            let e = ProxyError::from_client(e, route.max_body_bytes);
+            upstream.breaker.record(ticket, e.origin() != crate::error::Origin::Downstream, done);
+            Err(e)
+        }
+        Ok(Ok(resp)) => {
+            upstream.breaker.record(ticket, resp.status().is_server_error(), done);
+            Ok(resp)
+        }
+    }
+}
+
+/// Whether a first attempt's outcome may be retried: a connect failure, a reset before
+/// any response byte, or a 503 the backend marked as not processed. Never a timeout
+/// (the backend may be working on it) or a response whose head was relayed.
+fn retriable(r: &Result<Response<Incoming>, ProxyError>) -> bool {
+    match r {
+        Err(ProxyError::ConnectRefused(_) | ProxyError::ConnectTimeout(_) | ProxyError::UpstreamBroken(_)) => true,
+        Ok(resp) => {
+            resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(X_NOT_PROCESSED)
+        }
+        _ => false,
+    }
+}
+
+/// Sends the request once more, to another host, if the cluster's budget, its breaker
+/// and the route's deadline allow; otherwise the first outcome stands.
+async fn retry(
+    route: &CompiledRoute,
+    upstream: &Upstream,
+    r: Replay,
+    start: Instant,
+    first: Result<Response<Incoming>, ProxyError>,
+) -> Result<Response<Incoming>, ProxyError> {
+    let now = Instant::now();
+    let left = route.response_timeout.saturating_sub(now.saturating_duration_since(start));
+    let Some(tried) = r.uri.authority() else { return first };
+    if left.is_zero() {
+        return first;
+    }
+    let Some(other) = upstream.pick_other(tried).cloned() else { return first };
+    let Ok(ticket) = upstream.breaker.admit(now) else { return first };
+    if !upstream.budget.try_retry(now) {
+        return first;
+    }
+    let mut uri = http::uri::Parts::from(r.uri);
+    uri.authority = Some(other);
+    let Ok(uri) = Uri::from_parts(uri) else { return first };
+    let mut headers = r.headers;
+    headers.insert(X_RETRY, HeaderValue::from_static("1"));
+    headers.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
+    let mut up = Request::new(UpstreamBody::Full(r.body));
+    *up.method_mut() = r.method;
+    *up.uri_mut() = uri;
+    *up.version_mut() = Version::HTTP_11;
+    *up.headers_mut() = headers;
+    drop(first);
+    exchange(route, upstream, ticket, up, left).await
 }
 
 /// The forwarding headers the backend is told: from the connection, or from a trusted

@@ -52,6 +52,8 @@ pub struct Upstream {
     /// The cluster's circuit breaker on this node, kept across snapshots while its
     /// settings stay the same.
     pub breaker: Arc<postern_protect::Breaker>,
+    /// The cluster's retry budget on this node, kept the same way.
+    pub budget: Arc<postern_protect::RetryBudget>,
 }
 
 impl Upstream {
@@ -63,6 +65,22 @@ impl Upstream {
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
         self.endpoints.get(i)
+    }
+
+    /// Whether the cluster has more than one endpoint (a retry goes to another).
+    pub fn has_other(&self) -> bool {
+        self.endpoints.len() > 1
+    }
+
+    /// The endpoint after `not` (the round robin's own turn is left alone); `None` when
+    /// the cluster has one.
+    pub fn pick_other(&self, not: &Authority) -> Option<&Authority> {
+        let n = self.endpoints.len();
+        if n < 2 {
+            return None;
+        }
+        let at = self.endpoints.iter().position(|e| e == not).unwrap_or(n - 1);
+        self.endpoints.get((at + 1) % n)
     }
 
     /// Requests in flight to the cluster now.
@@ -78,11 +96,13 @@ impl Upstream {
         if let postern_protect::State::Open(left) = state {
             breaker["probing_in_ms"] = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).into();
         }
+        let (requests, retries) = self.budget.counts(now);
         serde_json::json!({
             "endpoints": self.endpoints.len(),
             "in_flight": self.in_flight(),
             "max_in_flight": self.max_inflight,
             "breaker": breaker,
+            "retry_budget": {"requests": requests, "retries": retries, "retried": self.budget.retried(), "denied": self.budget.denied()},
         })
     }
 
@@ -138,6 +158,52 @@ pub struct CompiledRoute {
     pub response_headers: Vec<(HeaderName, HeaderValue)>,
     /// Counters.
     pub metrics: Arc<RouteMetrics>,
+    /// Which of its requests may be retried.
+    pub retry: RetryRule,
+}
+
+/// Which of a route's requests may be retried: a method bit set, and whether a POST
+/// carrying `Idempotency-Key` may be.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryRule {
+    methods: u8,
+}
+
+const POST_BIT: u8 = 1 << 5;
+
+fn method_bit(m: &http::Method) -> u8 {
+    match *m {
+        http::Method::GET => 1,
+        http::Method::HEAD => 1 << 1,
+        http::Method::OPTIONS => 1 << 2,
+        http::Method::PUT => 1 << 3,
+        http::Method::DELETE => 1 << 4,
+        http::Method::POST => POST_BIT,
+        _ => 0,
+    }
+}
+
+impl RetryRule {
+    /// The rule of a route's policy (a POST only where the service honours
+    /// `Idempotency-Key`; the compiler refuses any other).
+    pub fn new(p: &postern_model::RetryPolicy) -> RetryRule {
+        let mut methods = 0u8;
+        for m in &p.methods {
+            if let Ok(m) = http::Method::from_bytes(m.as_bytes()) {
+                methods |= method_bit(&m);
+            }
+        }
+        if !p.idempotency_key {
+            methods &= !POST_BIT;
+        }
+        RetryRule { methods }
+    }
+
+    /// Whether a request with this method and these headers may be retried.
+    pub fn allows(&self, method: &http::Method, headers: &http::HeaderMap) -> bool {
+        let bit = method_bit(method);
+        bit != 0 && self.methods & bit != 0 && (bit != POST_BIT || headers.contains_key("idempotency-key"))
+    }
 }
 
 impl std::fmt::Debug for CompiledRoute {
@@ -217,6 +283,16 @@ pub struct Builder {
 struct Guards {
     inflight: Arc<AtomicU32>,
     breaker: Arc<postern_protect::Breaker>,
+    budget: Arc<postern_protect::RetryBudget>,
+}
+
+/// The retry budget's settings from the snapshot's.
+fn budget_config(b: &postern_model::RetryBudgetSpec) -> postern_protect::BudgetConfig {
+    postern_protect::BudgetConfig {
+        window: Duration::from_millis(u64::from(b.window_ms)),
+        percent: b.percent,
+        min_retries: b.min_retries,
+    }
 }
 
 /// The breaker's settings from the snapshot's.
@@ -361,13 +437,19 @@ impl Builder {
                 endpoints.push(a);
             }
             let config = breaker_config(&c.breaker);
+            let budget = budget_config(&c.retry_budget);
+            let now = std::time::Instant::now();
             let guards = gates.entry(name.clone()).or_insert_with(|| Guards {
                 inflight: Arc::default(),
-                breaker: Arc::new(postern_protect::Breaker::new(config, std::time::Instant::now())),
+                breaker: Arc::new(postern_protect::Breaker::new(config, now)),
+                budget: Arc::new(postern_protect::RetryBudget::new(budget, now)),
             });
+            // New settings start anew (a closed breaker, an empty window).
             if *guards.breaker.config() != config {
-                // New settings start a new breaker (closed, with an empty window).
-                guards.breaker = Arc::new(postern_protect::Breaker::new(config, std::time::Instant::now()));
+                guards.breaker = Arc::new(postern_protect::Breaker::new(config, now));
+            }
+            if *guards.budget.config() != budget {
+                guards.budget = Arc::new(postern_protect::RetryBudget::new(budget, now));
             }
             upstreams.insert(
                 name,
@@ -378,6 +460,7 @@ impl Builder {
                     inflight: guards.inflight.clone(),
                     max_inflight: c.max_connections.max(1),
                     breaker: guards.breaker.clone(),
+                    budget: guards.budget.clone(),
                 }),
             );
         }
@@ -456,6 +539,7 @@ impl Builder {
                 rewrite,
                 filters,
                 response_headers,
+                retry: RetryRule::new(&r.retry),
             };
             let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
             let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };
@@ -483,6 +567,24 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_rules_follow_the_policy_and_a_post_needs_its_key() {
+        let none = http::HeaderMap::new();
+        let mut keyed = http::HeaderMap::new();
+        keyed.insert("idempotency-key", HeaderValue::from_static("k1"));
+        let default = RetryRule::new(&postern_model::RetryPolicy::default());
+        assert!(default.allows(&http::Method::GET, &none) && default.allows(&http::Method::DELETE, &none));
+        assert!(!default.allows(&http::Method::POST, &keyed) && !default.allows(&http::Method::PATCH, &none));
+        let post = RetryRule::new(&postern_model::RetryPolicy { methods: vec!["POST".into()], idempotency_key: true });
+        assert!(post.allows(&http::Method::POST, &keyed));
+        assert!(!post.allows(&http::Method::POST, &none), "a POST without Idempotency-Key");
+        assert!(!post.allows(&http::Method::GET, &none));
+        // A policy naming POST without the key's promise never retries a POST.
+        let sloppy =
+            RetryRule::new(&postern_model::RetryPolicy { methods: vec!["POST".into()], idempotency_key: false });
+        assert!(!sloppy.allows(&http::Method::POST, &keyed));
+    }
 
     #[test]
     fn bucket_table_follows_weights() {

@@ -6,8 +6,9 @@
 
 use std::time::{Duration, Instant};
 
+use http::Method;
 use http::StatusCode;
-use postern_e2e::{Echo, Node, Repo, get};
+use postern_e2e::{Echo, Node, Repo, get, send};
 
 fn clusters(flaky: &Echo, ok: &Echo, breaker: &str) -> String {
     format!(
@@ -137,4 +138,165 @@ async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
         assert!(!out.status.success() && stderr.contains(field), "{bad}: {stderr}");
         assert!(stderr.contains("platform/clusters.yaml"), "{stderr}");
     }
+}
+
+/// A cluster of two backends with `retryBudget` settings, and routes with retry policies.
+fn retry_repo(a: &Echo, b: &Echo, dead: u16) -> (Repo, std::path::PathBuf) {
+    let repo = Repo::new();
+    repo.write(
+        "platform/clusters.yaml",
+        &format!(
+            "clusters:
+  pair:
+    endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
+  two:
+    endpoints: [\"{a}\", \"{b}\"]
+  tight:
+    endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
+    retryBudget: {{ percent: 0, minRetries: 3 }}
+  single:
+    endpoints: [\"127.0.0.1:{dead}\"]
+",
+            a = a.addr(),
+            b = b.addr(),
+        ),
+    );
+    repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
+    let route = |name: &str, cluster: &str, extra: &str| {
+        format!(
+            "  - name: {name}\n    public: true\n    match: {{ path: {{ value: /{name} }} }}\n    backendRefs: [{{ name: {cluster} }}]\n    timeouts: {{ connect: 1s, response: 2s }}\n{extra}"
+        )
+    };
+    let routes = [
+        route("pair", "pair", ""),
+        route("keyed", "pair", "    retry: { methods: [GET, POST], idempotencyKey: true }\n"),
+        route("two", "two", ""),
+        route("two-keyed", "two", "    retry: { methods: [POST], idempotencyKey: true }\n"),
+        route("tight", "tight", ""),
+        route("single", "single", ""),
+        route("never", "pair", "    retry: { methods: [] }\n"),
+    ];
+    repo.write("teams/t/routes.yaml", &format!("routes:\n{}", routes.concat()));
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    (repo, snap)
+}
+
+fn dead_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_is_retried_once_on_another_host_only_when_safe_and_within_the_budget() {
+    let a = Echo::start("a");
+    let b = Echo::start("b");
+    let dead = dead_port();
+    let (repo, snap) = retry_repo(&a, &b, dead);
+    let node = Node::start(&snap, &[]);
+    let count = async || a.count().await + b.count().await;
+
+    // GETs to a cluster whose second host refuses connections: every one is answered by
+    // the live host; those that went to the dead one first were sent once more, marked.
+    let mut retried = 0;
+    for _ in 0..10 {
+        let r = get(&node.url("/pair"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+        retried += usize::from(r.echoed("x-postern-retry").as_deref() == Some("1"));
+    }
+    assert_eq!(retried, 5, "round robin: every other request met the dead host first");
+    assert_eq!(a.count().await, 10);
+
+    // A POST without Idempotency-Key is never retried, even where POSTs may be.
+    let post =
+        async |path: &str, headers: &[(&str, &str)]| send(Method::POST, &node.url(path), headers, "").await.status;
+    let mut failed = 0;
+    for _ in 0..10 {
+        failed += usize::from(post("/keyed", &[]).await == StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(failed, 5, "half met the dead host and were answered 502");
+    // With one, on a route whose service honours it, it is.
+    for _ in 0..10 {
+        assert_eq!(post("/keyed", &[("idempotency-key", "k-1")]).await, StatusCode::OK);
+    }
+    // A POST on a route with the default policy is never retried, key or not.
+    let mut failed = 0;
+    for _ in 0..10 {
+        failed += usize::from(post("/pair", &[("idempotency-key", "k-2")]).await == StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(failed, 5);
+    // A route that retries nothing.
+    let mut failed = 0;
+    for _ in 0..10 {
+        failed += usize::from(get(&node.url("/never"), &[]).await.status == StatusCode::BAD_GATEWAY);
+    }
+    assert_eq!(failed, 5);
+
+    // A reset before any response byte: retried once on the other host, which resets too.
+    let before = count().await;
+    let r = get(&node.url("/two?reset=1"), &[]).await;
+    assert_eq!((r.status, r.json()["code"].as_str()), (StatusCode::BAD_GATEWAY, Some("upstream_unavailable")));
+    assert_eq!(count().await, before + 2, "at most once more");
+    // A 503 marked as not processed: retried once; an unmarked one is relayed as it is.
+    let before = count().await;
+    let r = get(&node.url("/two?status=503&not_processed=1"), &[]).await;
+    assert_eq!((r.status, r.header("x-postern-not-processed")), (StatusCode::SERVICE_UNAVAILABLE, Some("1")));
+    assert_eq!(count().await, before + 2);
+    let before = count().await;
+    assert_eq!(get(&node.url("/two?status=503"), &[]).await.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(count().await, before + 1);
+    // A reset after the response head: the head was relayed, so it is never retried.
+    let before = count().await;
+    let r = postern_e2e::send_with(
+        &postern_e2e::client(),
+        Method::GET,
+        &node.url("/two?bytes=100000&cut=1"),
+        &[],
+        bytes::Bytes::new(),
+    )
+    .await;
+    assert!(r.as_ref().is_err() || r.as_ref().is_ok_and(|r| r.body.len() < 100_001), "the cut body is not complete");
+    assert_eq!(count().await, before + 1, "{:?}: {:?}", r.map(|r| (r.status, r.headers)), node.log());
+    // A POST without the key that the backend resets is not retried.
+    let before = (a.count().await, b.count().await);
+    assert_eq!(post("/two-keyed?reset=1", &[]).await, StatusCode::BAD_GATEWAY);
+    let after = (a.count().await, b.count().await);
+    assert_eq!(after.0 + after.1, before.0 + before.1 + 1, "{before:?} {after:?}\n{}", node.log());
+    // A cluster with one host has no other to retry on.
+    assert_eq!(get(&node.url("/single"), &[]).await.status, StatusCode::BAD_GATEWAY);
+
+    // The budget: 0 % of requests and a floor of 3, so three retries and no more.
+    let mut ok = 0;
+    for _ in 0..20 {
+        ok += usize::from(get(&node.url("/tight"), &[]).await.status == StatusCode::OK);
+    }
+    assert_eq!(ok, 10 + 3, "ten went to the live host first, three were retried onto it");
+    let state = get(&node.admin_url("/readyz"), &[]).await.json();
+    let budget = &state["clusters"]["tight"]["retry_budget"];
+    assert_eq!((budget["retried"].as_u64(), budget["denied"].as_u64()), (Some(3), Some(7)), "{state}");
+    let metrics = get(&node.admin_url("/metrics"), &[]).await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(metrics.contains("postern_upstream_retries_total{cluster=\"tight\"} 3"), "{metrics}");
+    assert!(metrics.contains("postern_upstream_retries_denied_total{cluster=\"tight\"} 7"), "{metrics}");
+
+    // Policies that are unsafe or unknown are refused at compile, naming the field.
+    for (bad, field) in [
+        ("    retry: { methods: [POST] }\n", "routes[0].retry.methods[0]"),
+        ("    retry: { methods: [PATCH] }\n", "routes[0].retry.methods[0]"),
+        ("    retry: { tries: 3 }\n", "tries"),
+    ] {
+        repo.write(
+            "teams/t/routes.yaml",
+            &format!("routes:\n  - name: r\n    public: true\n    match: {{ path: {{ value: /r }} }}\n    backendRefs: [{{ name: pair }}]\n    timeouts: {{ connect: 1s, response: 2s }}\n{bad}"),
+        );
+        let out = repo.compile(&repo.path().join("bad.json"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(field), "{bad}: {stderr}");
+    }
+    repo.write(
+        "platform/clusters.yaml",
+        "clusters:\n  pair:\n    endpoints: [\"127.0.0.1:1\"]\n    retryBudget: { percent: 101 }\n",
+    );
+    let out = repo.compile(&repo.path().join("bad.json"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("clusters.pair.retryBudget.percent"));
 }

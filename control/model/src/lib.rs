@@ -274,6 +274,29 @@ pub struct Cluster {
     /// The cluster's circuit breaker on each node.
     #[serde(default)]
     pub breaker: BreakerSpec,
+    /// How much each node may retry to the cluster.
+    #[serde(default)]
+    pub retry_budget: RetryBudgetSpec,
+}
+
+/// A cluster's retry budget on each node: retries in `window_ms` may be `percent` of the
+/// requests first sent in it, or `min_retries`, whichever is more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudgetSpec {
+    /// The sliding window, in ms.
+    pub window_ms: u32,
+    /// The share of requests that may be retried, in percent.
+    pub percent: u8,
+    /// Retries allowed in the window whatever the traffic.
+    pub min_retries: u32,
+}
+
+impl Default for RetryBudgetSpec {
+    /// 10 % of the last 10 s's requests, at least 10.
+    fn default() -> RetryBudgetSpec {
+        RetryBudgetSpec { window_ms: 10_000, percent: 10, min_retries: 10 }
+    }
 }
 
 /// When a cluster's circuit breaker opens and how it probes (per node): it opens when
@@ -391,7 +414,37 @@ pub struct Route {
     /// Rate-limit class and cost (authenticated routes; class `default`, cost 1 if unset).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_limit: Option<RouteRate>,
+    /// Which requests the gateway may send once more, to another host of the cluster.
+    #[serde(default)]
+    pub retry: RetryPolicy,
 }
+
+/// Which requests of a route may be retried: once, on another host, after a connect
+/// failure, a reset before any response byte or a 503 the backend marks as not
+/// processed, and only within the cluster's retry budget.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Methods that may be retried (upper case; of GET, HEAD, OPTIONS, PUT, DELETE, POST).
+    pub methods: Vec<String>,
+    /// The service honours `Idempotency-Key`: a POST may be retried when it carries one
+    /// (and POST is in `methods`).
+    #[serde(default)]
+    pub idempotency_key: bool,
+}
+
+impl Default for RetryPolicy {
+    /// GET, HEAD, OPTIONS, PUT and DELETE; no POST.
+    fn default() -> RetryPolicy {
+        RetryPolicy {
+            methods: ["GET", "HEAD", "OPTIONS", "PUT", "DELETE"].map(str::to_owned).to_vec(),
+            idempotency_key: false,
+        }
+    }
+}
+
+/// Request bodies larger than this are never retried (the gateway keeps no bigger copy).
+pub const RETRY_BODY_BYTES: u64 = 64 * 1024;
 
 /// Largest body a route may buffer for filters' body phase (1 MiB).
 pub const MAX_BUFFERED_BODY_BYTES: u64 = 1 << 20;

@@ -4,10 +4,14 @@
 //!
 //! Query parameters shape the answer, for tests:
 //! `delay_ms=N` waits before answering, `status=N` sets the status, `bytes=N` streams N
-//! bytes of body instead of JSON (in 64 KiB chunks), `reset=1` closes the connection
-//! without answering. `GET /__echo/count` (sent directly, not through a gateway) returns
+//! bytes of body instead of JSON (in 64 KiB chunks; with `cut=1` the connection breaks
+//! after them, one byte short of the length announced), `reset=1` closes the connection
+//! without answering, `not_processed=1` marks the answer `x-postern-not-processed: 1` (a
+//! 503 so marked may be retried by the gateway). Every answer names the backend in
+//! `x-echo-name`. `GET /__echo/count` (sent directly, not through a gateway) returns
 //! how many requests this process has answered.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -93,7 +97,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
 
     if let Some(n) = query_param(&query, "bytes").and_then(|v| v.parse::<u64>().ok()) {
         let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
-        let mut resp = Response::new(Chunks { left: n, chunk }.boxed());
+        let cut = query_param(&query, "cut") == Some("1");
+        let cut = cut.then(|| Box::pin(tokio::time::sleep(Duration::from_millis(200))));
+        let mut resp = Response::new(Chunks { left: n, chunk, cut }.boxed());
         *resp.status_mut() = status;
         resp.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/octet-stream"));
         return Ok(resp);
@@ -115,13 +121,20 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         "body": std::str::from_utf8(&kept).ok(),
     });
     let bytes = serde_json::to_vec_pretty(&json).map_err(std::io::Error::other)?;
-    Ok(full(status, &state.name, bytes))
+    let mut resp = full(status, &state.name, bytes);
+    if query_param(&query, "not_processed") == Some("1") {
+        resp.headers_mut().insert("x-postern-not-processed", hyper::header::HeaderValue::from_static("1"));
+    }
+    Ok(resp)
 }
 
 /// A lazily produced body of `left` bytes, sent in `chunk`-sized frames.
 struct Chunks {
     left: u64,
     chunk: Bytes,
+    /// Break the stream after the bytes (one more was announced), once they had time to
+    /// reach the client.
+    cut: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl hyper::body::Body for Chunks {
@@ -130,9 +143,13 @@ impl hyper::body::Body for Chunks {
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
+        cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         if self.left == 0 {
+            if let Some(sleep) = self.cut.as_mut() {
+                std::task::ready!(sleep.as_mut().poll(cx));
+                return std::task::Poll::Ready(Some(Err(std::io::Error::other("cut requested"))));
+            }
             return std::task::Poll::Ready(None);
         }
         let n = self.left.min(self.chunk.len() as u64) as usize;
@@ -141,11 +158,11 @@ impl hyper::body::Body for Chunks {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.left == 0
+        self.left == 0 && self.cut.is_none()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        hyper::body::SizeHint::with_exact(self.left)
+        hyper::body::SizeHint::with_exact(self.left + u64::from(self.cut.is_some()))
     }
 }
 

@@ -10,8 +10,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Buckets in the sliding window.
-const BUCKETS: usize = 10;
+use crate::window::Window;
 
 /// `state` while closed.
 const CLOSED: u64 = 0;
@@ -78,21 +77,13 @@ pub struct Ticket {
     probe: bool,
 }
 
-#[derive(Debug, Default)]
-struct Bucket {
-    /// The bucket's slot number (time since origin / bucket width), 0 before first use.
-    slot: AtomicU64,
-    total: AtomicU32,
-    failed: AtomicU32,
-}
-
 /// One cluster's breaker on this node.
 #[derive(Debug)]
 pub struct Breaker {
     config: BreakerConfig,
     origin: Instant,
-    bucket_ms: u64,
-    buckets: [Bucket; BUCKETS],
+    /// `a`: requests; `b`: failures.
+    window: Window,
     /// [`CLOSED`], [`HALF_OPEN`], or open until this many ms after `origin` (plus one).
     state: AtomicU64,
     /// Requests seen while half-open (every n-th is a probe).
@@ -106,12 +97,10 @@ pub struct Breaker {
 impl Breaker {
     /// A closed breaker whose clock starts at `origin`.
     pub fn new(config: BreakerConfig, origin: Instant) -> Breaker {
-        let window_ms = u64::try_from(config.window.as_millis()).unwrap_or(u64::MAX).max(BUCKETS as u64);
         Breaker {
             config,
             origin,
-            bucket_ms: window_ms / BUCKETS as u64,
-            buckets: Default::default(),
+            window: Window::new(config.window),
             state: AtomicU64::new(CLOSED),
             seen_half_open: AtomicU32::new(0),
             opened: AtomicU64::new(0),
@@ -161,28 +150,17 @@ impl Breaker {
     /// failure that tips the window opens it.
     pub fn record(&self, ticket: Ticket, failed: bool, now: Instant) {
         let t = self.ms(now);
-        let slot = t / self.bucket_ms + 1;
-        let b = &self.buckets[(slot % BUCKETS as u64) as usize];
-        let seen = b.slot.load(Ordering::Acquire);
-        if seen != slot && b.slot.compare_exchange(seen, slot, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            // This bucket last counted a slot a whole window ago: start it again.
-            b.total.store(0, Ordering::Relaxed);
-            b.failed.store(0, Ordering::Relaxed);
-        }
-        b.total.fetch_add(1, Ordering::Relaxed);
-        if failed {
-            b.failed.fetch_add(1, Ordering::Relaxed);
-        }
+        self.window.add(t, 1, u32::from(failed));
         if ticket.probe {
             if failed {
                 self.open(t);
             } else if self.state.compare_exchange(HALF_OPEN, CLOSED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                self.clear();
+                self.window.clear();
             }
             return;
         }
         if failed && self.state.load(Ordering::Acquire) == CLOSED {
-            let (total, failures) = self.window(slot);
+            let (total, failures) = self.window.sum(t);
             if total >= self.config.min_requests
                 && u64::from(failures) * 100 > u64::from(total) * u64::from(self.config.failure_percent)
             {
@@ -197,29 +175,6 @@ impl Breaker {
         if prev == CLOSED || prev == HALF_OPEN {
             self.opened.fetch_add(1, Ordering::Relaxed);
         }
-    }
-
-    /// Forgets the window's outcomes (a closed breaker starts afresh).
-    fn clear(&self) {
-        for b in &self.buckets {
-            b.total.store(0, Ordering::Relaxed);
-            b.failed.store(0, Ordering::Relaxed);
-        }
-    }
-
-    /// Requests and failures in the window ending with `slot`.
-    fn window(&self, slot: u64) -> (u32, u32) {
-        let oldest = slot.saturating_sub(BUCKETS as u64 - 1);
-        let mut total = 0u32;
-        let mut failed = 0u32;
-        for b in &self.buckets {
-            let s = b.slot.load(Ordering::Acquire);
-            if s >= oldest && s <= slot {
-                total = total.saturating_add(b.total.load(Ordering::Relaxed));
-                failed = failed.saturating_add(b.failed.load(Ordering::Relaxed));
-            }
-        }
-        (total, failed)
     }
 
     /// The state at `now`.

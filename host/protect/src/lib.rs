@@ -1,8 +1,11 @@
 //! Backend protection on a node, one state machine per concern: the per-cluster
-//! [`breaker`]. Each takes the time from its caller (tests drive the clock) and keeps its
-//! state in atomics, so the request path never locks.
+//! [`breaker`] and [`budget`] (retries). Each takes the time from its caller (tests drive
+//! the clock) and keeps its state in atomics, so the request path never locks.
 #![deny(missing_docs)]
 
 pub mod breaker;
+pub mod budget;
+mod window;
 
 pub use breaker::{Breaker, BreakerConfig, State, Ticket};
+pub use budget::{BudgetConfig, RetryBudget};
