@@ -8,7 +8,8 @@
 #
 #   bash bench/instructions.sh BIN_DIR [BIN_DIR ...]
 #
-# Env: N (200), NODE_ARGS (extra postern flags), METER=1 (meter usage into a spool in a
+# Env: N (200), NODE_ARGS (extra postern flags), ENDPOINTS (the cluster's endpoints, quoted and
+# comma-separated; default one, "127.0.0.1:18080"), METER=1 (meter usage into a spool in a
 # temporary folder, as a node with --usage-spool does; the count of `Meter::count` alone
 # is printed as well).
 #
@@ -26,7 +27,7 @@ trap 'kill $echo_pid 2>/dev/null || true; [ -n "${KEEP:-}" ] || rm -rf "$lp"' EX
 mk() { # tag ctl
   local work=$lp/$1
   mkdir -p $work/repo/platform $work/repo/teams/bench/filters
-  printf 'clusters:\n  orders: { endpoints: ["127.0.0.1:18080"] }\n' > $work/repo/platform/clusters.yaml
+  printf 'clusters:\n  orders: { endpoints: [%s] }\n' "${ENDPOINTS:-\"127.0.0.1:18080\"}" > $work/repo/platform/clusters.yaml
   printf 'owners:\n  - { host: "*", pathPrefix: /, team: bench }\n' > $work/repo/platform/ownership.yaml
   route() { printf '  - name: %s\n    public: true\n    match: { path: { type: PathPrefix, value: %s } }\n    backendRefs: [{ name: orders }]\n    timeouts: { connect: 1s, response: 5s }\n    rewrite: { replacePrefixMatch: /v1/orders }\n%s\n' "$1" "$2" "${3:-}"; }
   { echo "routes:"; route plain /v1/plain; } > $work/repo/teams/bench/routes.yaml

@@ -392,12 +392,13 @@ async fn forward<'l>(
                 && upstream.has_other()
                 && route.retry.allows(&parts.method, &parts.headers) =>
         {
-            Some(Replay {
+            // Boxed: the request's future stays small for the requests that keep no copy.
+            Some(Box::new(Replay {
                 method: parts.method.clone(),
                 uri: parts.uri.clone(),
                 headers: parts.headers.clone(),
                 body: b.clone(),
-            })
+            }))
         }
         _ => None,
     };
@@ -491,7 +492,7 @@ fn retriable(r: &Result<Response<Incoming>, ProxyError>) -> bool {
 async fn retry(
     route: &CompiledRoute,
     upstream: &Upstream,
-    r: Replay,
+    r: Box<Replay>,
     start: Instant,
     first: Result<Response<Incoming>, ProxyError>,
 ) -> Result<Response<Incoming>, ProxyError> {
@@ -506,14 +507,14 @@ async fn retry(
     if !upstream.budget.try_retry(now) {
         return first;
     }
-    let mut uri = http::uri::Parts::from(r.uri);
+    let Replay { method, uri, mut headers, body } = *r;
+    let mut uri = http::uri::Parts::from(uri);
     uri.authority = Some(other);
     let Ok(uri) = Uri::from_parts(uri) else { return first };
-    let mut headers = r.headers;
     headers.insert(X_RETRY, HeaderValue::from_static("1"));
     headers.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
-    let mut up = Request::new(UpstreamBody::Full(r.body));
-    *up.method_mut() = r.method;
+    let mut up = Request::new(UpstreamBody::Full(body));
+    *up.method_mut() = method;
     *up.uri_mut() = uri;
     *up.version_mut() = Version::HTTP_11;
     *up.headers_mut() = headers;
