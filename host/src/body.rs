@@ -119,6 +119,19 @@ pub fn is_too_large(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Whether the client's own body stream failed somewhere in `err`'s sources (the
+/// client hung up mid-upload: the caller's failure, not the backend's).
+pub fn is_client_body(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if matches!(e.downcast_ref::<BodyError>(), Some(BodyError::Client(_))) {
+            return true;
+        }
+        cur = e.source();
+    }
+    false
+}
+
 /// A timer for a body that stops moving: armed when the body goes pending after
 /// progress, so a steadily moving body reads no clock; allocated once, for a body that
 /// ever waits.

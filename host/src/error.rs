@@ -69,6 +69,9 @@ pub enum ProxyError {
     /// The client's body stream broke off.
     #[error("the request body broke off")]
     BodyBroken(#[source] crate::body::BodyError),
+    /// The client's body stream broke off while it was streamed to the backend.
+    #[error("the request body broke off")]
+    ClientBodyBroken(#[source] hyper_util::client::legacy::Error),
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
@@ -109,7 +112,8 @@ impl ProxyError {
             | ProxyError::MethodNotAllowed(_)
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout
-            | ProxyError::BodyBroken(_) => Origin::Downstream,
+            | ProxyError::BodyBroken(_)
+            | ProxyError::ClientBodyBroken(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
             | ProxyError::CircuitOpen(_)
             | ProxyError::NoEndpoint
@@ -128,6 +132,9 @@ impl ProxyError {
     pub fn from_client(e: hyper_util::client::legacy::Error, limit: u64) -> ProxyError {
         if crate::body::is_too_large(&e) {
             return ProxyError::BodyTooLarge { limit };
+        }
+        if crate::body::is_client_body(&e) {
+            return ProxyError::ClientBodyBroken(e);
         }
         if e.is_connect() {
             if has_io_kind(&e, std::io::ErrorKind::TimedOut) {

@@ -402,9 +402,9 @@ async fn forward<'l>(
         }
         _ => None,
     };
-    upstream.budget.request(ex.start);
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
+    upstream.budget.request(sent);
     let mut result = exchange(route, upstream, ticket, up, left).await;
     if let Some(r) = replay
         && retriable(&result)
@@ -446,8 +446,9 @@ const X_NOT_PROCESSED: HeaderName = HeaderName::from_static("x-postern-not-proce
 const X_RETRY: HeaderName = HeaderName::from_static("x-postern-retry");
 
 /// Sends one request to the cluster within `left` and tells the breaker how it went: a
-/// timeout, a failed exchange or a 5xx is a failure; a body over the route's limit is the
-/// caller's.
+/// timeout, a failed exchange or a 5xx is a failure; what the caller caused (a body over
+/// the route's limit, an upload it broke off) says nothing of the backend and is not
+/// recorded.
 async fn exchange(
     route: &CompiledRoute,
     upstream: &Upstream,
@@ -464,7 +465,9 @@ async fn exchange(
         }
         Ok(Err(e)) => {
             let e = ProxyError::from_client(e, route.max_body_bytes);
-            upstream.breaker.record(ticket, e.origin() != crate::error::Origin::Downstream, done);
+            if e.origin() != crate::error::Origin::Downstream {
+                upstream.breaker.record(ticket, true, done);
+            }
             Err(e)
         }
         Ok(Ok(resp)) => {
@@ -474,17 +477,43 @@ async fn exchange(
     }
 }
 
-/// Whether a first attempt's outcome may be retried: a connect failure, a reset before
-/// any response byte, or a 503 the backend marked as not processed. Never a timeout
-/// (the backend may be working on it) or a response whose head was relayed.
+/// Whether a first attempt's outcome may be retried: a connect failure, a connection
+/// closed or reset before any response byte, or a 503 the backend marked as not
+/// processed. Never a timeout (the backend may be working on it), a response it could
+/// not parse, or a response whose head was relayed.
 fn retriable(r: &Result<Response<Incoming>, ProxyError>) -> bool {
     match r {
-        Err(ProxyError::ConnectRefused(_) | ProxyError::ConnectTimeout(_) | ProxyError::UpstreamBroken(_)) => true,
+        Err(ProxyError::ConnectRefused(_) | ProxyError::ConnectTimeout(_)) => true,
+        Err(ProxyError::UpstreamBroken(e)) => closed_before_answer(e),
         Ok(resp) => {
             resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(X_NOT_PROCESSED)
         }
         _ => false,
     }
+}
+
+/// Whether the backend closed or reset the connection before its answer began (hyper's
+/// incomplete message, or a reset or aborted socket), as opposed to answering bytes
+/// that were not HTTP.
+fn closed_before_answer(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message) {
+            return true;
+        }
+        if err.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            )
+        }) {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Sends the request once more, to another host, if the cluster's budget, its breaker
@@ -503,10 +532,10 @@ async fn retry(
         return first;
     }
     let Some(other) = upstream.pick_other(tried).cloned() else { return first };
-    let Ok(ticket) = upstream.breaker.admit(now) else { return first };
     if !upstream.budget.try_retry(now) {
         return first;
     }
+    let Ok(ticket) = upstream.breaker.admit(now) else { return first };
     let Replay { method, uri, mut headers, body } = *r;
     let mut uri = http::uri::Parts::from(uri);
     uri.authority = Some(other);

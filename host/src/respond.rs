@@ -18,7 +18,7 @@ pub fn error(e: &ProxyError) -> Problem {
     match e {
         ProxyError::InvalidPath(d) => Problem::new(StatusCode::BAD_REQUEST, "invalid_path", *d),
         ProxyError::BadRequest(d) => Problem::new(StatusCode::BAD_REQUEST, "bad_request", *d),
-        ProxyError::BodyTimeout | ProxyError::BodyBroken(_) => {
+        ProxyError::BodyTimeout | ProxyError::BodyBroken(_) | ProxyError::ClientBodyBroken(_) => {
             Problem::new(StatusCode::BAD_REQUEST, "bad_request", detail)
         }
         ProxyError::RouteNotFound => Problem::new(StatusCode::NOT_FOUND, "route_not_found", detail),

@@ -79,8 +79,9 @@ impl Upstream {
         if n < 2 {
             return None;
         }
+        // The next that is another host (a list may name one twice, as a weight).
         let at = self.endpoints.iter().position(|e| e == not).unwrap_or(n - 1);
-        self.endpoints.get((at + 1) % n)
+        (1..n).map(|k| &self.endpoints[(at + k) % n]).find(|e| *e != not)
     }
 
     /// Requests in flight to the cluster now.
@@ -426,7 +427,8 @@ impl Builder {
     /// Builds a snapshot; refuses it whole if any route cannot be built.
     pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
         let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
-        let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+        let gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+        let mut staged: Vec<(String, Guards)> = Vec::with_capacity(snapshot.clusters.len());
         for (name, c) in &snapshot.clusters {
             let mut endpoints = Vec::with_capacity(c.endpoints.len());
             for e in &c.endpoints {
@@ -439,18 +441,20 @@ impl Builder {
             let config = breaker_config(&c.breaker);
             let budget = budget_config(&c.retry_budget);
             let now = std::time::Instant::now();
-            let guards = gates.entry(name.clone()).or_insert_with(|| Guards {
-                inflight: Arc::default(),
-                breaker: Arc::new(postern_protect::Breaker::new(config, now)),
-                budget: Arc::new(postern_protect::RetryBudget::new(budget, now)),
-            });
-            // New settings start anew (a closed breaker, an empty window).
-            if *guards.breaker.config() != config {
-                guards.breaker = Arc::new(postern_protect::Breaker::new(config, now));
-            }
-            if *guards.budget.config() != budget {
-                guards.budget = Arc::new(postern_protect::RetryBudget::new(budget, now));
-            }
+            // The live state is kept while its settings stay; new settings start anew (a
+            // closed breaker, an empty window), recorded only once this snapshot builds.
+            let kept = gates.get(name.as_str());
+            let guards = Guards {
+                inflight: kept.map_or_else(Arc::default, |g| g.inflight.clone()),
+                breaker: match kept {
+                    Some(g) if *g.breaker.config() == config => g.breaker.clone(),
+                    _ => Arc::new(postern_protect::Breaker::new(config, now)),
+                },
+                budget: match kept {
+                    Some(g) if *g.budget.config() == budget => g.budget.clone(),
+                    _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
+                },
+            };
             upstreams.insert(
                 name,
                 Arc::new(Upstream {
@@ -463,6 +467,7 @@ impl Builder {
                     budget: guards.budget.clone(),
                 }),
             );
+            staged.push((name.clone(), guards));
         }
         drop(gates);
 
@@ -549,6 +554,10 @@ impl Builder {
             };
             table.add(&spec, compiled).map_err(|e| err(e.to_string()))?;
         }
+        // Built: its clusters' state is the one later snapshots keep.
+        let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+        gates.extend(staged);
+        drop(gates);
         let mut upstreams: Vec<Arc<Upstream>> = upstreams.into_values().collect();
         upstreams.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(Live {
@@ -567,6 +576,25 @@ impl Builder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retry_goes_to_another_host_even_when_one_is_named_twice() {
+        let up = |endpoints: &[&str]| Upstream {
+            name: Arc::from("c"),
+            endpoints: endpoints.iter().map(|e| e.parse::<Authority>().unwrap()).collect(),
+            next: AtomicUsize::new(0),
+            inflight: Arc::default(),
+            max_inflight: 1,
+            breaker: Arc::new(postern_protect::Breaker::new(Default::default(), std::time::Instant::now())),
+            budget: Arc::new(postern_protect::RetryBudget::new(Default::default(), std::time::Instant::now())),
+        };
+        let a: Authority = "a:1".parse().unwrap();
+        let u = up(&["a:1", "a:1", "b:1"]);
+        assert_eq!(u.pick_other(&a).map(Authority::as_str), Some("b:1"));
+        assert_eq!(u.pick_other(&"b:1".parse().unwrap()).map(Authority::as_str), Some("a:1"));
+        assert_eq!(up(&["a:1", "a:1"]).pick_other(&a), None, "no other host");
+        assert_eq!(up(&["a:1"]).pick_other(&a), None);
+    }
 
     #[test]
     fn retry_rules_follow_the_policy_and_a_post_needs_its_key() {

@@ -136,8 +136,10 @@ impl Breaker {
                 self.seen_half_open.store(0, Ordering::Relaxed);
             }
         }
-        let every = u32::from(100 / self.config.probe_percent.clamp(1, 100));
-        if self.seen_half_open.fetch_add(1, Ordering::Relaxed).is_multiple_of(every) {
+        // `probe_percent` of requests, spread evenly (the first is always one).
+        let p = u64::from(self.config.probe_percent.clamp(1, 100));
+        let seen = u64::from(self.seen_half_open.fetch_add(1, Ordering::Relaxed));
+        if seen * p % 100 < p {
             return Ok(Ticket { probe: true });
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
@@ -153,7 +155,9 @@ impl Breaker {
         self.window.add(t, 1, u32::from(failed));
         if ticket.probe {
             if failed {
-                self.open(t);
+                // Only a breaker still probing opens again: a late failed probe leaves one
+                // that another probe closed (or reopened) as it is.
+                self.open_from(HALF_OPEN, t);
             } else if self.state.compare_exchange(HALF_OPEN, CLOSED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.window.clear();
             }
@@ -164,15 +168,16 @@ impl Breaker {
             if total >= self.config.min_requests
                 && u64::from(failures) * 100 > u64::from(total) * u64::from(self.config.failure_percent)
             {
-                self.open(t);
+                self.open_from(CLOSED, t);
             }
         }
     }
 
-    fn open(&self, t: u64) {
+    /// Opens the breaker if it is in state `from`.
+    fn open_from(&self, from: u64, t: u64) {
         let until = t.saturating_add(u64::try_from(self.config.open_for.as_millis()).unwrap_or(u64::MAX / 2));
-        let prev = self.state.swap(until.saturating_add(1).min(HALF_OPEN - 1), Ordering::AcqRel);
-        if prev == CLOSED || prev == HALF_OPEN {
+        let to = until.saturating_add(1).min(HALF_OPEN - 1);
+        if self.state.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             self.opened.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -273,6 +278,30 @@ mod tests {
         assert_eq!(b.state(at(o, 20_100)), State::Closed);
         traffic(&b, o, 20_200, 99, 99);
         assert_eq!(b.state(at(o, 20_200)), State::Closed, "the old failures were forgotten");
+    }
+
+    #[test]
+    fn a_late_failed_probe_leaves_a_closed_breaker_closed() {
+        let o = Instant::now();
+        let config = BreakerConfig { min_requests: 2, probe_percent: 100, ..BreakerConfig::default() };
+        let b = Breaker::new(config, o);
+        traffic(&b, o, 0, 2, 2);
+        let (first, second) = (b.admit(at(o, 10_000)).unwrap(), b.admit(at(o, 10_000)).unwrap());
+        assert!(first.probe && second.probe);
+        b.record(first, false, at(o, 10_010));
+        b.record(second, true, at(o, 10_020));
+        assert_eq!((b.state(at(o, 10_020)), b.opened()), (State::Closed, 1));
+    }
+
+    #[test]
+    fn probes_are_the_share_asked_for() {
+        let o = Instant::now();
+        for p in [1u8, 5, 34, 50, 99] {
+            let b = Breaker::new(BreakerConfig { min_requests: 1, probe_percent: p, ..BreakerConfig::default() }, o);
+            traffic(&b, o, 0, 1, 1);
+            let probes = (0..1000).filter(|_| b.admit(at(o, 10_000)).is_ok()).count();
+            assert_eq!(probes, usize::from(p) * 10, "{p} %");
+        }
     }
 
     #[test]

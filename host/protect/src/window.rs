@@ -39,6 +39,11 @@ impl Window {
         let slot = self.slot(ms);
         let bucket = &self.buckets[(slot % BUCKETS as u64) as usize];
         let seen = bucket.slot.load(Ordering::Acquire);
+        if seen > slot {
+            // A count for a slot whose bucket already moved on (a late caller): it has
+            // left the window.
+            return;
+        }
         if seen != slot && bucket.slot.compare_exchange(seen, slot, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             // This bucket last counted a slot a whole window ago: start it again.
             bucket.a.store(0, Ordering::Relaxed);
@@ -90,6 +95,9 @@ mod tests {
         assert_eq!(w.sum(10_500), (5, 2));
         // Reusing its bucket drops its old counts.
         w.add(20_000, 1, 0);
+        assert_eq!(w.sum(20_000), (1, 0));
+        // A late count for a slot that bucket has left behind is dropped.
+        w.add(10_000, 7, 7);
         assert_eq!(w.sum(20_000), (1, 0));
         w.clear();
         assert_eq!(w.sum(20_000), (0, 0));
