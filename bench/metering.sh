@@ -51,23 +51,7 @@ for port in 18092 18192; do
 done
 sleep 1
 
-ticks() { # utime+stime of a pid and its children
-  local t=0 p
-  for p in $1 $(pgrep -P "$1" 2>/dev/null); do
-    [ -r /proc/$p/stat ] && t=$((t + $(awk '{print $14+$15}' /proc/$p/stat)))
-  done
-  echo $t
-}
-run() { # pid url [header] -> cpu µs per request, and the non-2xx count
-  local before after out reqs non2xx
-  before=$(ticks "$1")
-  out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-10s}" ${3:+-H "$3"} "$2" 2>&1)
-  after=$(ticks "$1")
-  reqs=$(echo "$out" | awk '/requests in/ {print $1}')
-  non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
-  awk -v t=$((after - before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" -v e="${non2xx:-0}" \
-    'BEGIN{ printf "%.2f %s\n", (r > 0 ? t / hz / r * 1e6 : 0), e }'
-}
+. "$root/bench/lib.sh"
 declare -a n_ p_ m_
 errors=0
 for r in $(seq "$ROUNDS"); do
@@ -76,7 +60,6 @@ for r in $(seq "$ROUNDS"); do
   read -r m e < <(run $metered_pid http://127.0.0.1:18190/v1/auth/1 "x-api-key: $key"); m_+=("$m"); errors=$((errors + e))
   echo "round $r: nginx $n  postern+apikey $p  postern+apikey+metering $m  (CPU µs/request)"
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
 nm=$(median "${n_[@]}"); pm=$(median "${p_[@]}"); mm=$(median "${m_[@]}")
 echo "median: nginx $nm  postern+apikey $pm  postern+apikey+metering $mm  metering adds $(awk -v a="$mm" -v b="$pm" 'BEGIN{printf "%+.2f", a - b}') µs/request; non-2xx $errors"
 curl -s http://127.0.0.1:18192/readyz | head -c 600; echo

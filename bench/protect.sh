@@ -45,23 +45,7 @@ for port in 18092 18192 18292; do
   for _ in $(seq 100); do curl -sf -o /dev/null http://127.0.0.1:$port/healthz && break; sleep 0.1; done
 done
 sleep 1
-ticks() { # utime+stime of a pid and its children
-  local t=0 p
-  for p in $1 $(pgrep -P "$1" 2>/dev/null); do
-    [ -r /proc/$p/stat ] && t=$((t + $(awk '{print $14+$15}' /proc/$p/stat)))
-  done
-  echo $t
-}
-run() { # pid url -> cpu µs per request, and the non-2xx count
-  local before after out reqs non2xx
-  before=$(ticks "$1")
-  out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-10s}" "$2" 2>&1)
-  after=$(ticks "$1")
-  reqs=$(echo "$out" | awk '/requests in/ {print $1}')
-  non2xx=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
-  awk -v t=$((after - before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" -v e="${non2xx:-0}" \
-    'BEGIN{ printf "%.2f %s\n", (r > 0 ? t / hz / r * 1e6 : 0), e }'
-}
+. "$root/bench/lib.sh"
 declare -a n_ o_ a_ b_
 errors=0
 for r in $(seq "$ROUNDS"); do
@@ -71,6 +55,5 @@ for r in $(seq "$ROUNDS"); do
   read -r b e < <(run $two_pid http://127.0.0.1:18290/v1/orders/1); b_+=("$b"); errors=$((errors + e))
   echo "round $r: nginx $n  old $o  new, one host $a  new, two hosts $b  (CPU µs/request)"
 done
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
 nm=$(median "${n_[@]}"); om=$(median "${o_[@]}"); am=$(median "${a_[@]}"); bm=$(median "${b_[@]}")
 echo "median: nginx $nm  old $om  new, one host $am ($(awk -v a="$am" -v b="$om" 'BEGIN{printf "%+.2f", a - b}'))  new, two hosts $bm ($(awk -v a="$bm" -v b="$om" 'BEGIN{printf "%+.2f", a - b}')) µs/request; non-2xx $errors"

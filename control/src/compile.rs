@@ -146,6 +146,51 @@ fn parse_ms(s: &str) -> Result<u64, String> {
     Ok(ms)
 }
 
+/// A duration setting in milliseconds within `min..=max`; `None` (and an error naming
+/// `field`) for one that is not a duration or out of range.
+fn ranged_ms(
+    cx: &mut Ctx,
+    file: &Path,
+    field: String,
+    v: &str,
+    (min, max): (u64, u64),
+    owner: Option<&str>,
+) -> Option<u32> {
+    match humantime::parse_duration(v).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)) {
+        Ok(ms) if (min..=max).contains(&ms) => u32::try_from(ms).ok(),
+        Ok(_) => {
+            let (lo, hi) = (Duration::from_millis(min), Duration::from_millis(max));
+            let msg = format!(
+                "{v} is out of range ({} to {})",
+                humantime::format_duration(lo),
+                humantime::format_duration(hi)
+            );
+            cx.error(file, field, msg, owner);
+            None
+        }
+        Err(e) => {
+            cx.error(file, field, format!("{v:?} is not a duration like 10s: {e}"), owner);
+            None
+        }
+    }
+}
+
+/// A number setting within `min..=max`; `None` (and an error naming `field`) otherwise.
+fn ranged(
+    cx: &mut Ctx,
+    file: &Path,
+    field: String,
+    v: u32,
+    (min, max): (u32, u32),
+    owner: Option<&str>,
+) -> Option<u32> {
+    if (min..=max).contains(&v) {
+        return Some(v);
+    }
+    cx.error(file, field, format!("{v} is out of range ({min} to {max})"), owner);
+    None
+}
+
 /// A cluster's `breaker:`, each field checked against its range (errors name the field);
 /// what is absent or refused keeps its default.
 fn compile_breaker(
@@ -156,49 +201,26 @@ fn compile_breaker(
     owner: Option<&str>,
 ) -> postern_model::BreakerSpec {
     let mut spec = postern_model::BreakerSpec::default();
-    let duration = |cx: &mut Ctx, name: &str, value: &Option<String>, (min, max): (u64, u64), out: &mut u32| {
-        let Some(v) = value else { return };
-        match humantime::parse_duration(v) {
-            Ok(d) if (min..=max).contains(&u64::try_from(d.as_millis()).unwrap_or(u64::MAX)) => {
-                *out = u32::try_from(d.as_millis()).unwrap_or(u32::MAX);
-            }
-            Ok(_) => cx.error(
-                file,
-                format!("{field}.breaker.{name}"),
-                format!(
-                    "{v} is out of range ({} to {})",
-                    humantime::format_duration(Duration::from_millis(min)),
-                    humantime::format_duration(Duration::from_millis(max))
-                ),
-                owner,
-            ),
-            Err(e) => cx.error(
-                file,
-                format!("{field}.breaker.{name}"),
-                format!("{v:?} is not a duration like 10s: {e}"),
-                owner,
-            ),
-        }
-    };
-    duration(cx, "window", &doc.window, (1_000, 300_000), &mut spec.window_ms);
-    duration(cx, "openFor", &doc.open_for, (100, 300_000), &mut spec.open_ms);
-    let number = |cx: &mut Ctx, name: &str, value: Option<u32>, (min, max): (u32, u32)| -> Option<u32> {
-        let v = value?;
-        if (min..=max).contains(&v) {
-            Some(v)
-        } else {
-            cx.error(file, format!("{field}.breaker.{name}"), format!("{v} is out of range ({min} to {max})"), owner);
-            None
-        }
-    };
-    if let Some(v) = number(cx, "minRequests", doc.min_requests, (1, 1_000_000)) {
-        spec.min_requests = v;
+    let at = |name: &str| format!("{field}.breaker.{name}");
+    if let Some(ms) = doc.window.as_deref().and_then(|v| ranged_ms(cx, file, at("window"), v, (1_000, 300_000), owner))
+    {
+        spec.window_ms = ms;
     }
-    if let Some(v) = number(cx, "failurePercent", doc.failure_percent.map(u32::from), (1, 99)) {
-        spec.failure_percent = u8::try_from(v).unwrap_or(50);
+    if let Some(ms) = doc.open_for.as_deref().and_then(|v| ranged_ms(cx, file, at("openFor"), v, (100, 300_000), owner))
+    {
+        spec.open_ms = ms;
     }
-    if let Some(v) = number(cx, "probePercent", doc.probe_percent.map(u32::from), (1, 100)) {
-        spec.probe_percent = u8::try_from(v).unwrap_or(5);
+    if let Some(n) = doc.min_requests.and_then(|v| ranged(cx, file, at("minRequests"), v, (1, 1_000_000), owner)) {
+        spec.min_requests = n;
+    }
+    let percent = |cx: &mut Ctx, name: &str, v: Option<u8>, min: u32, max: u32| {
+        v.and_then(|v| ranged(cx, file, at(name), u32::from(v), (min, max), owner)).and_then(|n| u8::try_from(n).ok())
+    };
+    if let Some(p) = percent(cx, "failurePercent", doc.failure_percent, 1, 99) {
+        spec.failure_percent = p;
+    }
+    if let Some(p) = percent(cx, "probePercent", doc.probe_percent, 1, 100) {
+        spec.probe_percent = p;
     }
     spec
 }
@@ -212,36 +234,16 @@ fn compile_budget(
     owner: Option<&str>,
 ) -> postern_model::RetryBudgetSpec {
     let mut spec = postern_model::RetryBudgetSpec::default();
-    if let Some(v) = &doc.window {
-        match humantime::parse_duration(v).map(|d| d.as_millis()) {
-            Ok(ms) if (1_000..=300_000).contains(&ms) => spec.window_ms = u32::try_from(ms).unwrap_or(10_000),
-            Ok(_) => {
-                cx.error(file, format!("{field}.retryBudget.window"), format!("{v} is out of range (1s to 5m)"), owner)
-            }
-            Err(e) => cx.error(
-                file,
-                format!("{field}.retryBudget.window"),
-                format!("{v:?} is not a duration like 10s: {e}"),
-                owner,
-            ),
-        }
+    let at = |name: &str| format!("{field}.retryBudget.{name}");
+    if let Some(ms) = doc.window.as_deref().and_then(|v| ranged_ms(cx, file, at("window"), v, (1_000, 300_000), owner))
+    {
+        spec.window_ms = ms;
     }
-    match doc.percent {
-        Some(p) if p > 100 => {
-            cx.error(file, format!("{field}.retryBudget.percent"), format!("{p} is out of range (0 to 100)"), owner)
-        }
-        Some(p) => spec.percent = p,
-        None => {}
+    if let Some(p) = doc.percent.and_then(|v| ranged(cx, file, at("percent"), u32::from(v), (0, 100), owner)) {
+        spec.percent = u8::try_from(p).unwrap_or(spec.percent);
     }
-    match doc.min_retries {
-        Some(n) if n > 100_000 => cx.error(
-            file,
-            format!("{field}.retryBudget.minRetries"),
-            format!("{n} is out of range (0 to 100000)"),
-            owner,
-        ),
-        Some(n) => spec.min_retries = n,
-        None => {}
+    if let Some(n) = doc.min_retries.and_then(|v| ranged(cx, file, at("minRetries"), v, (0, 100_000), owner)) {
+        spec.min_retries = n;
     }
     spec
 }

@@ -421,7 +421,7 @@ impl Server {
             (Method::POST, ["v1", "nodes", node, lane, "ack"]) if is_node => {
                 let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
                 let node = (*node).to_owned();
-                match read_json::<Ack>(req).await {
+                match read_json::<Ack>(req, JSON_BODY_LIMIT).await {
                     Ok(ack) => self.ack(&node, kind, ack),
                     Err(e) => e,
                 }
@@ -441,7 +441,7 @@ impl Server {
             }
             (Method::POST, ["v1", "nodes", node, "report"]) if is_node => {
                 let node = (*node).to_owned();
-                match read_json::<Report>(req).await {
+                match read_json::<Report>(req, JSON_BODY_LIMIT).await {
                     Ok(report) => {
                         let watch = self.report(&node, report);
                         json(StatusCode::OK, &serde_json::to_value(watch).unwrap_or_default())
@@ -570,13 +570,9 @@ impl Server {
         let Some(store) = self.usage.clone() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
         };
-        let body = match Limited::new(req.into_body(), USAGE_BODY_LIMIT).collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {USAGE_BODY_LIMIT} bytes)")),
-        };
-        let counters: postern_model::usage::NodeCounters = match serde_json::from_slice(&body) {
+        let counters: postern_model::usage::NodeCounters = match read_json(req, USAGE_BODY_LIMIT).await {
             Ok(c) => c,
-            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+            Err(r) => return r,
         };
         if counters.node != node {
             return error(StatusCode::BAD_REQUEST, format!("counters of node {} sent for node {node}", counters.node));
@@ -1138,7 +1134,7 @@ impl Server {
         op: impl FnOnce(T) -> Op,
     ) -> Response<Body> {
         let wait = Duration::from_secs(wait_acks.and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S));
-        match read_json(req).await {
+        match read_json(req, JSON_BODY_LIMIT).await {
             Ok(body) => self.key_op(who, op(body), wait).await,
             Err(e) => e,
         }
@@ -1266,11 +1262,15 @@ fn version_response(v: &Version) -> Response<Body> {
     r
 }
 
-async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
-    let body = Limited::new(req.into_body(), 64 * 1024)
+/// What a JSON request body of the API weighs at most (usage intake aside).
+const JSON_BODY_LIMIT: usize = 64 * 1024;
+
+/// A request body of at most `limit` bytes, as JSON; a 400 naming what is wrong otherwise.
+async fn read_json<T: serde::de::DeserializeOwned>(req: Request<Incoming>, limit: usize) -> Result<T, Response<Body>> {
+    let body = Limited::new(req.into_body(), limit)
         .collect()
         .await
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))?
+        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {limit} bytes)")))?
         .to_bytes();
     serde_json::from_slice(&body).map_err(|e| error(StatusCode::BAD_REQUEST, format!("body: {e}")))
 }

@@ -404,7 +404,10 @@ async fn forward<'l>(
     };
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
-    upstream.budget.request(sent);
+    if upstream.has_other() {
+        // The budget's base: what was first sent to a cluster a retry can go to.
+        upstream.budget.request(sent);
+    }
     let mut result = exchange(route, upstream, ticket, up, left).await;
     if let Some(r) = replay
         && retriable(&result)

@@ -54,6 +54,8 @@ pub struct Upstream {
     pub breaker: Arc<postern_protect::Breaker>,
     /// The cluster's retry budget on this node, kept the same way.
     pub budget: Arc<postern_protect::RetryBudget>,
+    /// Distinct endpoints (a list may name one twice, as a weight).
+    hosts: usize,
 }
 
 impl Upstream {
@@ -67,9 +69,9 @@ impl Upstream {
         self.endpoints.get(i)
     }
 
-    /// Whether the cluster has more than one endpoint (a retry goes to another).
+    /// Whether the cluster has two hosts or more (a retry goes to another).
     pub fn has_other(&self) -> bool {
-        self.endpoints.len() > 1
+        self.hosts > 1
     }
 
     /// The endpoint after `not` (the round robin's own turn is left alone); `None` when
@@ -163,8 +165,8 @@ pub struct CompiledRoute {
     pub retry: RetryRule,
 }
 
-/// Which of a route's requests may be retried: a method bit set, and whether a POST
-/// carrying `Idempotency-Key` may be.
+/// Which of a route's requests may be retried: a bit per method (POST's only where the
+/// service honours `Idempotency-Key`, and then only for a request carrying one).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RetryRule {
     methods: u8,
@@ -268,8 +270,8 @@ impl Live {
 #[derive(Debug)]
 pub struct Builder {
     clients: Mutex<Clients>,
-    /// Per cluster name, what every snapshot's upstreams share: requests in flight and
-    /// the breaker.
+    /// Per cluster name, what every snapshot's upstreams share: requests in flight, the
+    /// breaker and the retry budget.
     gates: Mutex<HashMap<String, Guards>>,
     metrics: Arc<Metrics>,
     node: Node,
@@ -455,6 +457,7 @@ impl Builder {
                     _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
                 },
             };
+            let endpoints_distinct = endpoints.iter().collect::<std::collections::HashSet<_>>().len();
             upstreams.insert(
                 name,
                 Arc::new(Upstream {
@@ -465,6 +468,7 @@ impl Builder {
                     max_inflight: c.max_connections.max(1),
                     breaker: guards.breaker.clone(),
                     budget: guards.budget.clone(),
+                    hosts: endpoints_distinct,
                 }),
             );
             staged.push((name.clone(), guards));
@@ -587,12 +591,15 @@ mod tests {
             max_inflight: 1,
             breaker: Arc::new(postern_protect::Breaker::new(Default::default(), std::time::Instant::now())),
             budget: Arc::new(postern_protect::RetryBudget::new(Default::default(), std::time::Instant::now())),
+            hosts: endpoints.iter().collect::<std::collections::HashSet<_>>().len(),
         };
         let a: Authority = "a:1".parse().unwrap();
         let u = up(&["a:1", "a:1", "b:1"]);
         assert_eq!(u.pick_other(&a).map(Authority::as_str), Some("b:1"));
         assert_eq!(u.pick_other(&"b:1".parse().unwrap()).map(Authority::as_str), Some("a:1"));
+        assert!(u.has_other());
         assert_eq!(up(&["a:1", "a:1"]).pick_other(&a), None, "no other host");
+        assert!(!up(&["a:1", "a:1"]).has_other());
         assert_eq!(up(&["a:1"]).pick_other(&a), None);
     }
 

@@ -81,8 +81,7 @@ pub struct Ticket {
 #[derive(Debug)]
 pub struct Breaker {
     config: BreakerConfig,
-    origin: Instant,
-    /// `a`: requests; `b`: failures.
+    /// `a`: requests; `b`: failures; its clock is the breaker's.
     window: Window,
     /// [`CLOSED`], [`HALF_OPEN`], or open until this many ms after `origin` (plus one).
     state: AtomicU64,
@@ -99,8 +98,7 @@ impl Breaker {
     pub fn new(config: BreakerConfig, origin: Instant) -> Breaker {
         Breaker {
             config,
-            origin,
-            window: Window::new(config.window),
+            window: Window::new(config.window, origin),
             state: AtomicU64::new(CLOSED),
             seen_half_open: AtomicU32::new(0),
             opened: AtomicU64::new(0),
@@ -113,10 +111,6 @@ impl Breaker {
         &self.config
     }
 
-    fn ms(&self, now: Instant) -> u64 {
-        u64::try_from(now.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX - 1)
-    }
-
     /// Whether a request may go to the cluster at `now`: a ticket, or how long until the
     /// breaker probes again.
     pub fn admit(&self, now: Instant) -> Result<Ticket, Duration> {
@@ -126,7 +120,7 @@ impl Breaker {
         }
         if state != HALF_OPEN {
             let until = state - 1;
-            let t = self.ms(now);
+            let t = self.window.ms(now);
             if t < until {
                 self.refused.fetch_add(1, Ordering::Relaxed);
                 return Err(Duration::from_millis(until - t));
@@ -151,7 +145,7 @@ impl Breaker {
     /// reset, a 5xx from the backend). A probe's outcome closes or reopens the breaker; a
     /// failure that tips the window opens it.
     pub fn record(&self, ticket: Ticket, failed: bool, now: Instant) {
-        let t = self.ms(now);
+        let t = self.window.ms(now);
         self.window.add(t, 1, u32::from(failed));
         if ticket.probe {
             if failed {
@@ -188,7 +182,7 @@ impl Breaker {
             CLOSED => State::Closed,
             HALF_OPEN => State::HalfOpen,
             s => {
-                let t = self.ms(now);
+                let t = self.window.ms(now);
                 if t + 1 < s { State::Open(Duration::from_millis(s - 1 - t)) } else { State::HalfOpen }
             }
         }

@@ -30,7 +30,6 @@ impl Default for BudgetConfig {
 #[derive(Debug)]
 pub struct RetryBudget {
     config: BudgetConfig,
-    origin: Instant,
     /// `a`: requests first sent; `b`: retries.
     window: Window,
     retried: AtomicU64,
@@ -42,8 +41,7 @@ impl RetryBudget {
     pub fn new(config: BudgetConfig, origin: Instant) -> RetryBudget {
         RetryBudget {
             config,
-            origin,
-            window: Window::new(config.window),
+            window: Window::new(config.window, origin),
             retried: AtomicU64::new(0),
             denied: AtomicU64::new(0),
         }
@@ -54,18 +52,14 @@ impl RetryBudget {
         &self.config
     }
 
-    fn ms(&self, now: Instant) -> u64 {
-        u64::try_from(now.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX)
-    }
-
     /// Counts a request sent the first time.
     pub fn request(&self, now: Instant) {
-        self.window.add(self.ms(now), 1, 0);
+        self.window.add(self.window.ms(now), 1, 0);
     }
 
     /// Takes one retry from the budget if it has one.
     pub fn try_retry(&self, now: Instant) -> bool {
-        let ms = self.ms(now);
+        let ms = self.window.ms(now);
         let (requests, retries) = self.window.sum(ms);
         let share = u64::from(requests) * u64::from(self.config.percent) / 100;
         if u64::from(retries) >= share.max(u64::from(self.config.min_retries)) {
@@ -89,7 +83,7 @@ impl RetryBudget {
 
     /// Requests and retries in the window ending at `now`.
     pub fn counts(&self, now: Instant) -> (u32, u32) {
-        self.window.sum(self.ms(now))
+        self.window.sum(self.window.ms(now))
     }
 }
 

@@ -3,7 +3,7 @@
 //! window old are dropped as their bucket is reused.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Buckets in the window.
 const BUCKETS: usize = 10;
@@ -16,18 +16,26 @@ struct Bucket {
     b: AtomicU32,
 }
 
-/// Two counts (`a`, `b`) over a sliding window.
+/// Two counts (`a`, `b`) over a sliding window, on a clock of milliseconds since its
+/// origin.
 #[derive(Debug)]
 pub(crate) struct Window {
+    origin: Instant,
     bucket_ms: u64,
     buckets: [Bucket; BUCKETS],
 }
 
 impl Window {
-    /// A window of `width` (at least 10 ms).
-    pub(crate) fn new(width: Duration) -> Window {
+    /// A window of `width` (at least 10 ms) whose clock starts at `origin`.
+    pub(crate) fn new(width: Duration, origin: Instant) -> Window {
         let ms = u64::try_from(width.as_millis()).unwrap_or(u64::MAX).max(BUCKETS as u64);
-        Window { bucket_ms: ms / BUCKETS as u64, buckets: Default::default() }
+        Window { origin, bucket_ms: ms / BUCKETS as u64, buckets: Default::default() }
+    }
+
+    /// `now` on the window's clock (saturating below `u64::MAX`, which callers may use
+    /// as a marker).
+    pub(crate) fn ms(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX - 1)
     }
 
     fn slot(&self, ms: u64) -> u64 {
@@ -87,7 +95,7 @@ mod tests {
 
     #[test]
     fn counts_leave_the_window_as_it_slides() {
-        let w = Window::new(Duration::from_secs(10));
+        let w = Window::new(Duration::from_secs(10), Instant::now());
         w.add(0, 5, 1);
         w.add(4_999, 5, 2);
         assert_eq!(w.sum(5_000), (10, 3));
