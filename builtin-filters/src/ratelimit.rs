@@ -598,6 +598,7 @@ mod tests {
                 app_rate_limit: None,
                 fail_closed: true,
                 quota: None,
+                priority: None,
             },
         )]
         .into();

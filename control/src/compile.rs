@@ -10,7 +10,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use postern_model::path::PathPolicy;
 use postern_model::{
     AuthMethod, Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite,
-    Plan, Pool, Route, RouteAuth, SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
+    Plan, Pool, Priority, Route, RouteAuth, SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
 };
 use postern_router::{PathKind, RouteError, RouteSpec, RouterBuilder};
 use serde::de::DeserializeOwned;
@@ -191,6 +191,16 @@ fn ranged(
     None
 }
 
+/// A priority class by name; `None` (and an error naming `field`) for an unknown one.
+fn priority(cx: &mut Ctx, file: &Path, field: String, v: &str, owner: Option<&str>) -> Option<Priority> {
+    let p = Priority::parse(v);
+    if p.is_none() {
+        let msg = format!("unknown priority class {v:?} (critical, standard, free or sheddable)");
+        cx.error(file, field, msg, owner);
+    }
+    p
+}
+
 /// A cluster's `breaker:`, each field checked against its range (errors name the field);
 /// what is absent or refused keeps its default.
 fn compile_breaker(
@@ -360,6 +370,9 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                     cx.error(&plans_path, format!("plans.{name}.quota.anchor"), e, None);
                 }
             }
+            if let Some(p) = &plan.priority {
+                priority(&mut cx, &plans_path, format!("plans.{name}.priority"), p, None);
+            }
             for (i, p) in plan.products.iter().enumerate() {
                 if !doc.products.contains(p) {
                     let msg = format!("unknown product {p:?} (products are listed under products:)");
@@ -398,8 +411,23 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         }
         let breaker = compile_breaker(&mut cx, &clusters_path, &field, &c.breaker, c.owner.as_deref());
         let retry_budget = compile_budget(&mut cx, &clusters_path, &field, &c.retry_budget, c.owner.as_deref());
-        out_clusters
-            .insert(name, Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker, retry_budget });
+        let shed_at_percent = c
+            .shed_at_percent
+            .and_then(|p| {
+                ranged(
+                    &mut cx,
+                    &clusters_path,
+                    format!("{field}.shedAtPercent"),
+                    p.into(),
+                    (10, 100),
+                    c.owner.as_deref(),
+                )
+            })
+            .and_then(|p| u8::try_from(p).ok())
+            .unwrap_or(postern_model::DEFAULT_SHED_AT_PERCENT);
+        let cluster =
+            Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker, retry_budget, shed_at_percent };
+        out_clusters.insert(name, cluster);
     }
 
     let ownership_path = root.join("platform/ownership.yaml");
@@ -516,6 +544,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                             quota: p.quota.as_ref().and_then(|q| {
                                 Some(postern_model::Quota { calls: q.monthly, mode: q.mode, anchor: q.anchor().ok()? })
                             }),
+                            priority: p.priority.as_deref().and_then(Priority::parse),
                         };
                         (k.clone(), plan)
                     })
@@ -775,6 +804,7 @@ fn compile_route(
     });
 
     let retry = compile_retry(cx, file, field, &r.retry, owner);
+    let priority = r.priority.as_deref().and_then(|p| priority(cx, file, format!("{field}.priority"), p, owner));
     if cx.diags.len() != before {
         return None;
     }
@@ -802,6 +832,7 @@ fn compile_route(
         auth,
         rate_limit,
         retry,
+        priority,
     })
 }
 

@@ -44,6 +44,10 @@ pub struct ClusterDoc {
     /// How much each node may retry to the cluster (every field has a default).
     #[serde(default, rename = "retryBudget")]
     pub retry_budget: RetryBudgetDoc,
+    /// The cluster's routes shed by priority while its requests in flight are at least
+    /// this percentage of `maxConnections` (default 80, 10 to 100).
+    #[serde(default, rename = "shedAtPercent")]
+    pub shed_at_percent: Option<u8>,
 }
 
 /// `retryBudget:` of a cluster.
@@ -184,6 +188,10 @@ pub struct RouteDoc {
     /// Which requests may be retried on another host of the cluster.
     #[serde(default)]
     pub retry: RetryDoc,
+    /// The class of every request on the route under overload, whatever the caller's
+    /// plan (`critical`, `standard`, `free`, `sheddable`).
+    #[serde(default)]
+    pub priority: Option<String>,
     /// Wasm filters, run in order after the built-in ones.
     #[serde(default)]
     pub wasm_filters: Vec<WasmAttachDoc>,
@@ -420,6 +428,10 @@ pub struct PlanDoc {
     /// Calls per period, per caller and product.
     #[serde(default)]
     pub quota: Option<QuotaDoc>,
+    /// The class of its callers' requests under overload (`critical`, `standard` (the
+    /// default), `free`, `sheddable`).
+    #[serde(default)]
+    pub priority: Option<String>,
 }
 
 /// `quota` of a plan: `{ monthly: N, mode: hard | overage, anchor: … }`.

@@ -23,13 +23,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 /// Parses a priority class: `critical`, `standard`, `free` or `sheddable`.
 pub fn parse_priority(s: &str) -> Result<Priority, String> {
-    match s {
-        "critical" => Ok(Priority::Critical),
-        "standard" => Ok(Priority::Standard),
-        "free" => Ok(Priority::Free),
-        "sheddable" => Ok(Priority::Sheddable),
-        _ => Err(format!("{s:?} is not a priority: use critical, standard, free or sheddable")),
-    }
+    Priority::parse(s).ok_or_else(|| format!("{s:?} is not a priority: use critical, standard, free or sheddable"))
 }
 
 /// Parses a signature algorithm: `ES256` or `RS256`.
@@ -694,6 +688,7 @@ mod tests {
                 app_rate_limit: None,
                 fail_closed: false,
                 quota: None,
+                priority: None,
             },
         )]
         .into_iter()

@@ -1608,6 +1608,7 @@ mod tests {
                 app_rate_limit: None,
                 fail_closed: false,
                 quota: Some(Quota { calls, mode, anchor: postern_model::usage::Anchor::EverySeconds(every) }),
+                priority: None,
             },
         )]
         .into();

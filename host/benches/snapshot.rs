@@ -27,6 +27,7 @@ fn snapshot(routes: usize) -> Snapshot {
                 max_connections: 1024,
                 breaker: Default::default(),
                 retry_budget: Default::default(),
+                shed_at_percent: 80,
             },
         );
     }
@@ -67,6 +68,7 @@ fn snapshot(routes: usize) -> Snapshot {
             }),
             rate_limit: None,
             retry: Default::default(),
+            priority: None,
         });
     }
     let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();

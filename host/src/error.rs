@@ -75,6 +75,9 @@ pub enum ProxyError {
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
+    /// The node or the route's cluster is overloaded and sheds this request's class.
+    #[error("overloaded: {} requests are being shed; try again shortly", .0.as_str())]
+    Shed(postern_model::Priority),
     /// The cluster's circuit breaker is open (or probing and this request is not a
     /// probe); the duration is when to try again.
     #[error("the route's cluster is failing: its circuit breaker is open")]
@@ -115,6 +118,7 @@ impl ProxyError {
             | ProxyError::BodyBroken(_)
             | ProxyError::ClientBodyBroken(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
+            | ProxyError::Shed(_)
             | ProxyError::CircuitOpen(_)
             | ProxyError::NoEndpoint
             | ProxyError::ConnectTimeout(_)

@@ -23,5 +23,6 @@ pub mod proxy;
 pub mod ratesync;
 pub mod respond;
 pub mod server;
+pub mod shedding;
 pub mod snapshot;
 pub mod upstream;

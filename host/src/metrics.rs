@@ -443,6 +443,47 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
     }
 }
 
+/// Priority shedding: the node's CPU, each ramp's level and the requests each shed by
+/// class (series per signal, cluster and class: bounded by the platform's clusters).
+pub fn render_shed(out: &mut String, node: &crate::shedding::NodeShed, upstreams: &[Arc<crate::snapshot::Upstream>]) {
+    let _ = writeln!(
+        out,
+        "# HELP postern_node_cpu_percent This process's CPU over the last second, in percent of its cores.\n# TYPE postern_node_cpu_percent gauge\npostern_node_cpu_percent {}",
+        node.cpu_percent()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP postern_shed_level How far a shedding ramp has gone (100 per class, sheddable first; 0: none shed).\n# TYPE postern_shed_level gauge\npostern_shed_level{{signal=\"cpu\"}} {}",
+        node.cpu.level()
+    );
+    for u in upstreams {
+        let _ = writeln!(
+            out,
+            "postern_shed_level{{signal=\"cluster\",cluster=\"{}\"}} {}",
+            escape(&u.name),
+            u.shed.level()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP postern_shed_total Requests shed (503 shed), by signal and class.\n# TYPE postern_shed_total counter"
+    );
+    let classes = postern_model::Priority::ALL;
+    for (p, n) in classes.iter().zip(node.cpu.shed()) {
+        let _ = writeln!(out, "postern_shed_total{{signal=\"cpu\",class=\"{}\"}} {n}", p.as_str());
+    }
+    for u in upstreams {
+        for (p, n) in classes.iter().zip(u.shed.shed()) {
+            let _ = writeln!(
+                out,
+                "postern_shed_total{{signal=\"cluster\",cluster=\"{}\",class=\"{}\"}} {n}",
+                escape(&u.name),
+                p.as_str()
+            );
+        }
+    }
+}
+
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }

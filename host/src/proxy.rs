@@ -48,6 +48,8 @@ pub struct Gateway {
     pub credentials_writer: std::sync::Mutex<()>,
     /// Usage metering: every answered call of an authenticated caller is counted.
     pub usage: Option<Arc<postern_usage::Usage>>,
+    /// Priority shedding on the node's CPU.
+    pub shed: crate::shedding::NodeShed,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -153,7 +155,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
     let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO };
-    let result = forward(&conn, &live, &mut ex, trace, req, gw.body_idle).await;
+    let result = forward(&gw, &conn, &live, &mut ex, trace, req).await;
     ex.finish(&gw, result)
 }
 
@@ -229,8 +231,12 @@ impl Exchange<'_> {
 }
 
 /// Runs the filters' request phase in order; the first that answers ends the request.
-async fn run_request_filters(route: &CompiledRoute, parts: &mut RequestHead, cx: &Context) -> Result<(), Ending> {
-    for f in &route.filters {
+async fn run_request_filters(
+    filters: &[Arc<dyn postern_filter_contract::Filter>],
+    parts: &mut RequestHead,
+    cx: &Context,
+) -> Result<(), Ending> {
+    for f in filters {
         match f.on_request(parts, cx) {
             Flow::Continue => {}
             Flow::Respond(r) => return Err(Ending::Reply(r)),
@@ -259,12 +265,12 @@ async fn run_body_filters(
 
 /// The request path from routing to the backend's response head.
 async fn forward<'l>(
+    gw: &Gateway,
     conn: &ConnInfo,
     live: &'l Live,
     ex: &mut Exchange<'l>,
     trace: u128,
     req: Request<Incoming>,
-    body_idle: Duration,
 ) -> Result<Response<ResponseBody>, Ending> {
     let (mut parts, body) = req.into_parts();
     // One canonical request before routing: one authority, one path.
@@ -315,11 +321,15 @@ async fn forward<'l>(
     };
 
     if !route.filters.is_empty() {
-        let cx = ex.cx.insert(Context::new(route.id.clone(), ex.rid.clone()));
-        run_request_filters(route, &mut parts, cx).await?;
-        crate::canon::check_edited_path(&parts, &live.paths)?;
+        ex.cx = Some(Context::new(route.id.clone(), ex.rid.clone()));
     }
     let cx = ex.cx.as_ref();
+    // On authenticated routes the first filter authenticates: the caller, and so its
+    // class and its backend, are known before any other filter runs.
+    let (first, rest) = route.filters.split_at(usize::from(route.product.is_some()).min(route.filters.len()));
+    if let Some(cx) = cx {
+        run_request_filters(first, &mut parts, cx).await?;
+    }
 
     // On authenticated routes the caller is its API key, or its app for tokens.
     let upstream = match public_pick {
@@ -330,8 +340,17 @@ async fn forward<'l>(
         }
     };
     let upstream = upstream.ok_or(ProxyError::NoEndpoint)?;
+    // Shed by priority before the caller is charged a token or a filter runs.
+    let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
+        .map_err(ProxyError::Shed)?;
+    if let Some(cx) = cx {
+        run_request_filters(rest, &mut parts, cx).await?;
+        crate::canon::check_edited_path(&parts, &live.paths)?;
+    }
     let endpoint = upstream.pick().cloned().ok_or(ProxyError::NoEndpoint)?;
-    let permit = upstream.permit().ok_or(ProxyError::UpstreamOverloaded)?;
+    let permit = upstream
+        .permit(|| class.unwrap_or_else(|| crate::shedding::class(route, live, cx, &parts.headers)))
+        .ok_or(ProxyError::UpstreamOverloaded)?;
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
 
     let pq = match &route.rewrite {
@@ -430,7 +449,7 @@ async fn forward<'l>(
             }
         }
     }
-    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle), permit: Some(permit) };
+    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(gw.body_idle), permit: Some(permit) };
     Ok(Response::from_parts(rp, body))
 }
 
@@ -444,6 +463,8 @@ struct Replay {
 
 /// A backend's mark on a 503 that says it did not process the request (safe to retry).
 const X_NOT_PROCESSED: HeaderName = HeaderName::from_static("x-postern-not-processed");
+/// A backend's mark on a 503 that says it is overloaded (its own limiter refused).
+const X_OVERLOADED: HeaderName = HeaderName::from_static("x-postern-overloaded");
 /// The mark on a retried request, so the backend (or a proxy behind it) does not retry it
 /// again.
 const X_RETRY: HeaderName = HeaderName::from_static("x-postern-retry");
@@ -475,6 +496,10 @@ async fn exchange(
         }
         Ok(Ok(resp)) => {
             upstream.breaker.record(ticket, resp.status().is_server_error(), done);
+            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(X_OVERLOADED) {
+                // The backend's own concurrency limiter fired: its routes shed by priority.
+                upstream.shed.strain();
+            }
             Ok(resp)
         }
     }
@@ -551,6 +576,7 @@ async fn retry(
     *up.version_mut() = Version::HTTP_11;
     *up.headers_mut() = headers;
     drop(first);
+    upstream.budget.sent();
     exchange(route, upstream, ticket, up, left).await
 }
 

@@ -34,7 +34,10 @@ pub fn error(e: &ProxyError) -> Problem {
         ProxyError::ConnectTimeout(_) | ProxyError::ResponseTimeout { .. } => {
             Problem::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", detail)
         }
-        ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail),
+        ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail)
+            .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
+        ProxyError::Shed(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "shed", detail)
+            .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
         ProxyError::CircuitOpen(after) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "circuit_open", detail)
             .with_header(http::header::RETRY_AFTER, HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64)),
         ProxyError::FilterPath(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "filter_failed", detail),
@@ -112,5 +115,10 @@ mod tests {
         let open = error(&ProxyError::CircuitOpen(std::time::Duration::from_millis(8_200)));
         assert_eq!((open.status.as_u16(), open.code), (503, "circuit_open"));
         assert_eq!(open.headers[http::header::RETRY_AFTER], "9");
+        let shed = error(&ProxyError::Shed(postern_model::Priority::Free));
+        assert_eq!((shed.status.as_u16(), shed.code), (503, "shed"));
+        assert_eq!(shed.headers[http::header::RETRY_AFTER], "1");
+        assert_eq!(shed.detail, "overloaded: free requests are being shed; try again shortly");
+        assert_eq!(error(&ProxyError::UpstreamOverloaded).headers[http::header::RETRY_AFTER], "1");
     }
 }

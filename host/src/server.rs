@@ -175,6 +175,12 @@ pub struct Args {
     /// either direction. HTTP/1 waits at most 10 s between requests (its header timeout).
     #[arg(long, default_value_t = 60)]
     pub idle_timeout_s: u64,
+    /// The node sheds requests by priority (sheddable first, then free, then standard)
+    /// while its CPU is at this percentage of its cores or more, measured each 250 ms
+    /// over the last second; 0 never sheds on CPU (clusters still shed on their own
+    /// overload).
+    #[arg(long, default_value_t = 75)]
+    pub shed_cpu: u32,
 }
 
 /// A size: bytes, or a number with `KiB`, `MiB` or `GiB`.
@@ -812,6 +818,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trust,
         credentials_writer: std::sync::Mutex::new(()),
         usage,
+        shed: crate::shedding::NodeShed::new(args.shed_cpu),
     });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)
@@ -854,6 +861,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, hops.clone(), stop_rx.clone())),
         tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
+        tokio::spawn(crate::shedding::run(gw.clone(), stop_rx.clone())),
         tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];
 

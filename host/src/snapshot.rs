@@ -56,7 +56,17 @@ pub struct Upstream {
     pub budget: Arc<postern_protect::RetryBudget>,
     /// Distinct endpoints (a list may name one twice, as a weight).
     hosts: usize,
+    /// The cluster's priority shedding on this node, kept across snapshots.
+    pub shed: Arc<postern_protect::Shedder>,
+    /// Requests in flight at which the cluster counts as overloaded.
+    shed_at: u32,
+    /// Requests in flight from which the lower classes may not take every place.
+    reserved_from: u32,
 }
+
+/// The share of a cluster's cap, in percent, each class may fill (by rank: `critical`,
+/// `standard`, `free`, `sheddable`).
+pub const CAP_SHARE: [u64; 4] = [100, 90, 80, 70];
 
 impl Upstream {
     /// The next endpoint, round robin.
@@ -86,6 +96,12 @@ impl Upstream {
         (1..n).map(|k| &self.endpoints[(at + k) % n]).find(|e| *e != not)
     }
 
+    /// Whether the cluster is overloaded now: its requests in flight at the shedding
+    /// mark (a full cap, or a backend's overload answer, strain its shedder directly).
+    pub fn overloaded(&self) -> bool {
+        self.in_flight() >= self.shed_at
+    }
+
     /// Requests in flight to the cluster now.
     pub fn in_flight(&self) -> u32 {
         self.inflight.load(Ordering::Relaxed)
@@ -106,12 +122,27 @@ impl Upstream {
             "max_in_flight": self.max_inflight,
             "breaker": breaker,
             "retry_budget": {"requests": requests, "retries": retries, "retried": self.budget.retried(), "denied": self.budget.denied()},
+            "shed": {"at_in_flight": self.shed_at, "level": self.shed.level(), "shed": crate::shedding::classes(&self.shed.shed())},
         })
     }
 
-    /// A place in the cluster's connection cap, or `None` when it is full.
-    pub fn permit(&self) -> Option<crate::upstream::Permit> {
-        crate::upstream::Permit::take(&self.inflight, self.max_inflight)
+    /// A place in the cluster's connection cap, or `None` when it is full for the
+    /// request's class (which strains the cluster's shedder: its routes start shedding
+    /// by priority). The last places are kept for the higher classes: a class may fill
+    /// only its [`CAP_SHARE`] of the cap, so `critical` requests still find room when
+    /// the others have filled theirs.
+    pub fn permit(&self, class: impl FnOnce() -> postern_model::Priority) -> Option<crate::upstream::Permit> {
+        let max = if self.in_flight() >= self.reserved_from {
+            let share = CAP_SHARE.get(class().rank()).copied().unwrap_or(100);
+            (u64::from(self.max_inflight) * share / 100).max(1) as u32
+        } else {
+            self.max_inflight
+        };
+        let p = crate::upstream::Permit::take(&self.inflight, max);
+        if p.is_none() {
+            self.shed.strain();
+        }
+        p
     }
 }
 
@@ -163,6 +194,8 @@ pub struct CompiledRoute {
     pub metrics: Arc<RouteMetrics>,
     /// Which of its requests may be retried.
     pub retry: RetryRule,
+    /// The class of all its requests under overload, whatever the caller's plan.
+    pub priority: Option<postern_model::Priority>,
 }
 
 /// Which of a route's requests may be retried: a bit per method (POST's only where the
@@ -245,6 +278,8 @@ pub struct Live {
     pub paths: postern_model::path::PathPolicy,
     /// The clusters, by name.
     pub upstreams: Vec<Arc<Upstream>>,
+    /// Each plan's priority class (plans that set none are `standard`).
+    pub priorities: HashMap<String, postern_model::Priority>,
     public: Router<CompiledRoute>,
     partner: Router<CompiledRoute>,
 }
@@ -287,6 +322,7 @@ struct Guards {
     inflight: Arc<AtomicU32>,
     breaker: Arc<postern_protect::Breaker>,
     budget: Arc<postern_protect::RetryBudget>,
+    shed: Arc<postern_protect::Shedder>,
 }
 
 /// The retry budget's settings from the snapshot's.
@@ -456,7 +492,9 @@ impl Builder {
                     Some(g) if *g.budget.config() == budget => g.budget.clone(),
                     _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
                 },
+                shed: kept.map_or_else(Arc::default, |g| g.shed.clone()),
             };
+            let max_inflight = c.max_connections.max(1);
             let endpoints_distinct = endpoints.iter().collect::<std::collections::HashSet<_>>().len();
             upstreams.insert(
                 name,
@@ -465,10 +503,13 @@ impl Builder {
                     endpoints,
                     next: AtomicUsize::new(0),
                     inflight: guards.inflight.clone(),
-                    max_inflight: c.max_connections.max(1),
+                    max_inflight,
                     breaker: guards.breaker.clone(),
                     budget: guards.budget.clone(),
                     hosts: endpoints_distinct,
+                    shed: guards.shed.clone(),
+                    shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
+                    reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
                 }),
             );
             staged.push((name.clone(), guards));
@@ -549,6 +590,7 @@ impl Builder {
                 filters,
                 response_headers,
                 retry: RetryRule::new(&r.retry),
+                priority: r.priority,
             };
             let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
             let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };
@@ -570,6 +612,7 @@ impl Builder {
             loaded_at: SystemTime::now(),
             route_count: snapshot.routes.len(),
             upstreams,
+            priorities: snapshot.plans.iter().filter_map(|(name, p)| Some((name.clone(), p.priority?))).collect(),
             paths: snapshot.paths,
             public: public.build(),
             partner: partner.build(),
@@ -592,6 +635,9 @@ mod tests {
             breaker: Arc::new(postern_protect::Breaker::new(Default::default(), std::time::Instant::now())),
             budget: Arc::new(postern_protect::RetryBudget::new(Default::default(), std::time::Instant::now())),
             hosts: endpoints.iter().collect::<std::collections::HashSet<_>>().len(),
+            shed: Arc::default(),
+            shed_at: 1,
+            reserved_from: 1,
         };
         let a: Authority = "a:1".parse().unwrap();
         let u = up(&["a:1", "a:1", "b:1"]);

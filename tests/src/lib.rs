@@ -102,11 +102,17 @@ pub struct Echo {
 impl Echo {
     /// Starts an echo backend that names itself `name`.
     pub fn start(name: &str) -> Echo {
+        Echo::start_with(name, &[])
+    }
+
+    /// Starts an echo backend with extra flags (`--delay-ms`, `--tls-cert`...).
+    pub fn start_with(name: &str, extra: &[&str]) -> Echo {
         let dir = tempfile::tempdir().expect("tempdir");
         let port_file = dir.path().join("port");
         let child = Command::new(bin("postern-echo"))
             .args(["--listen", "127.0.0.1:0", "--name", name, "--port-file"])
             .arg(&port_file)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -125,6 +131,19 @@ impl Echo {
     pub async fn count(&self) -> u64 {
         let r = get(&format!("http://{}/__echo/count", self.addr()), &[]).await;
         r.json()["count"].as_u64().unwrap_or(0)
+    }
+
+    /// How many of them a gateway marked as its retry (`x-postern-retry`).
+    pub async fn retried(&self) -> u64 {
+        let r = get(&format!("http://{}/__echo/count", self.addr()), &[]).await;
+        r.json()["retried"].as_u64().expect("the echo counts retries")
+    }
+
+    /// Makes every later answer wait `ms` more.
+    pub async fn set_delay(&self, ms: u64) {
+        let url = format!("http://{}/__echo/delay?ms={ms}", self.addr());
+        let r = send(Method::PUT, &url, &[], Bytes::new()).await;
+        assert_eq!(r.status, StatusCode::OK, "set delay: {:?}", r.body);
     }
 }
 

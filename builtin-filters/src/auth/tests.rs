@@ -91,6 +91,7 @@ impl Fixture {
                 app_rate_limit: None,
                 fail_closed: false,
                 quota: None,
+                priority: None,
             },
         );
         let spec = RouteAuth {

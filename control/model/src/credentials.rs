@@ -262,20 +262,8 @@ pub struct SigningKey {
     pub public_key_pem: String,
 }
 
-/// Request priority class, from the caller's plan (used for load shedding).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Priority {
-    /// Partner and enterprise writes.
-    Critical,
-    /// Paid plans.
-    #[default]
-    Standard,
-    /// Free plans.
-    Free,
-    /// Bulk exports, analytics, retries.
-    Sheddable,
-}
+/// A key's or an app's priority class (the same classes as a plan's).
+pub use crate::Priority;
 
 /// An OAuth app (`client_id`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -177,6 +177,50 @@ pub struct Plan {
     /// Calls a caller may make per billing period, per product.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quota: Option<Quota>,
+    /// The class of its callers' requests under overload ([`Priority::Standard`] if unset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// A request's priority class: under overload the lowest is shed first (`sheddable`,
+/// then `free`, then `standard`), and `critical` only once nothing else is left.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Partner and enterprise traffic that must not notice an overload.
+    Critical,
+    /// Paid traffic.
+    #[default]
+    Standard,
+    /// Free-tier traffic.
+    Free,
+    /// Bulk exports, analytics, client retries: the first to go.
+    Sheddable,
+}
+
+impl Priority {
+    /// Every class, most important first (a class's index is its rank).
+    pub const ALL: [Priority; 4] = [Priority::Critical, Priority::Standard, Priority::Free, Priority::Sheddable];
+
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Critical => "critical",
+            Priority::Standard => "standard",
+            Priority::Free => "free",
+            Priority::Sheddable => "sheddable",
+        }
+    }
+
+    /// The class named `s`.
+    pub fn parse(s: &str) -> Option<Priority> {
+        Priority::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+
+    /// 0 for the most important class, 3 for the least.
+    pub fn rank(self) -> usize {
+        self as usize
+    }
 }
 
 impl Plan {
@@ -188,6 +232,7 @@ impl Plan {
             app_rate_limit: None,
             fail_closed: false,
             quota: None,
+            priority: None,
         }
     }
 }
@@ -277,6 +322,17 @@ pub struct Cluster {
     /// How much each node may retry to the cluster.
     #[serde(default)]
     pub retry_budget: RetryBudgetSpec,
+    /// The cluster counts as overloaded (and its routes shed by priority) while its
+    /// requests in flight are at least this percentage of `max_connections`.
+    #[serde(default = "default_shed_at_percent")]
+    pub shed_at_percent: u8,
+}
+
+/// [`Cluster::shed_at_percent`] when a cluster does not set it.
+pub const DEFAULT_SHED_AT_PERCENT: u8 = 80;
+
+fn default_shed_at_percent() -> u8 {
+    DEFAULT_SHED_AT_PERCENT
 }
 
 /// A cluster's retry budget on each node: retries in `window_ms` may be `percent` of the
@@ -417,6 +473,10 @@ pub struct Route {
     /// Which requests the gateway may send once more, to another host of the cluster.
     #[serde(default)]
     pub retry: RetryPolicy,
+    /// The class of every request on the route under overload, whatever the caller's
+    /// plan says (bulk exports: `sheddable`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
 }
 
 /// Which requests of a route may be retried: once, on another host, after a connect

@@ -8,16 +8,31 @@
 //! after them, one byte short of the length announced), `reset=1` closes the connection
 //! without answering, `not_processed=1` marks the answer `x-postern-not-processed: 1` (a
 //! 503 so marked may be retried by the gateway). Every answer names the backend in
-//! `x-echo-name`. `GET /__echo/count` (sent directly, not through a gateway) returns
-//! how many requests this process has answered.
+//! `x-echo-name`.
+//!
+//! Requests under `/__echo/` are sent directly (not through a gateway); they are neither
+//! delayed nor counted. `GET /__echo/count` returns how many requests this process has
+//! answered (`count`), and how many of them a gateway marked as its retry
+//! (`x-postern-retry`; `retried`). `PUT /__echo/delay?ms=N` sets a base delay added before every later answer
+//! (on top of any `delay_ms=`; `ms=0` removes it) and answers `{"delay_ms":N}`;
+//! `--delay-ms N` sets its initial value.
+//!
+//! With `--tls-cert PATH --tls-key PATH` (PEM: certificate chain, private key) the
+//! listener serves TLS, offering ALPN `h2` and `http/1.1`; without them it serves plain
+//! HTTP/1.1 and HTTP/2 with prior knowledge. `--client-ca PATH` (PEM) requires a client
+//! certificate signed by that CA: handshakes without one fail. The JSON answer says
+//! `"client_cert": true` and gives the certificate's subject common name in
+//! `"client_cert_cn"` (null if it has none) when the client presented a certificate,
+//! `"client_cert": false` otherwise.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Parser;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -25,7 +40,12 @@ use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
+use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
 #[derive(Parser)]
 #[command(about = "Echo backend for Postern demos and tests")]
@@ -39,11 +59,36 @@ struct Args {
     /// Write the bound port to this file once listening.
     #[arg(long)]
     port_file: Option<PathBuf>,
+    /// Initial base delay before every answer, in milliseconds (`PUT /__echo/delay?ms=N`
+    /// changes it).
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
+    /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key (PEM) for `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require a client certificate signed by a CA in this file (PEM); needs `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    client_ca: Option<PathBuf>,
 }
 
 struct State {
     name: String,
     count: AtomicU64,
+    /// Base delay before every answer, in milliseconds.
+    delay_ms: AtomicU64,
+    /// Requests a gateway marked as its retry (`x-postern-retry`).
+    retried: AtomicU64,
+}
+
+/// The client certificate of a TLS connection, if one was presented.
+#[derive(Default)]
+struct ClientCert {
+    present: bool,
+    /// The subject's common name, when it has one.
+    cn: Option<String>,
 }
 
 type Body = BoxBody<Bytes, std::io::Error>;
@@ -62,19 +107,46 @@ fn full(status: StatusCode, name: &str, body: Vec<u8>) -> Response<Body> {
     resp
 }
 
-async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, std::io::Error> {
+async fn handle(
+    state: Arc<State>,
+    client: Arc<ClientCert>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, std::io::Error> {
     let (parts, body) = req.into_parts();
     let query = parts.uri.query().unwrap_or("").to_owned();
-    if parts.uri.path() == "/__echo/count" {
-        let n = state.count.load(Ordering::Relaxed);
-        return Ok(full(StatusCode::OK, &state.name, format!("{{\"count\":{n}}}").into_bytes()));
+    match parts.uri.path() {
+        "/__echo/count" => {
+            let n = state.count.load(Ordering::Relaxed);
+            let r = state.retried.load(Ordering::Relaxed);
+            return Ok(full(StatusCode::OK, &state.name, format!("{{\"count\":{n},\"retried\":{r}}}").into_bytes()));
+        }
+        "/__echo/delay" => {
+            if parts.method == hyper::Method::PUT {
+                let Some(ms) = query_param(&query, "ms").and_then(|v| v.parse::<u64>().ok()) else {
+                    let msg = br#"{"error":"expected ?ms=N"}"#.to_vec();
+                    return Ok(full(StatusCode::BAD_REQUEST, &state.name, msg));
+                };
+                state.delay_ms.store(ms, Ordering::Relaxed);
+            }
+            let n = state.delay_ms.load(Ordering::Relaxed);
+            return Ok(full(StatusCode::OK, &state.name, format!("{{\"delay_ms\":{n}}}").into_bytes()));
+        }
+        p if p.starts_with("/__echo/") => {
+            return Ok(full(StatusCode::NOT_FOUND, &state.name, br#"{"error":"unknown /__echo/ path"}"#.to_vec()));
+        }
+        _ => {}
     }
     state.count.fetch_add(1, Ordering::Relaxed);
+    if parts.headers.contains_key("x-postern-retry") {
+        state.retried.fetch_add(1, Ordering::Relaxed);
+    }
     if query_param(&query, "reset") == Some("1") {
         return Err(std::io::Error::other("reset requested"));
     }
-    if let Some(ms) = query_param(&query, "delay_ms").and_then(|v| v.parse::<u64>().ok()) {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+    let extra = query_param(&query, "delay_ms").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let delay = state.delay_ms.load(Ordering::Relaxed).saturating_add(extra);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     let status = query_param(&query, "status")
         .and_then(|v| v.parse::<u16>().ok())
@@ -110,7 +182,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         .iter()
         .map(|(k, v)| serde_json::json!([k.as_str(), String::from_utf8_lossy(v.as_bytes())]))
         .collect();
-    let json = serde_json::json!({
+    let mut json = serde_json::json!({
         "backend": state.name,
         "method": parts.method.as_str(),
         "path": parts.uri.path(),
@@ -119,7 +191,11 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         "headers": headers,
         "body_bytes": size,
         "body": std::str::from_utf8(&kept).ok(),
+        "client_cert": client.present,
     });
+    if client.present {
+        json["client_cert_cn"] = client.cn.clone().into();
+    }
     let bytes = serde_json::to_vec_pretty(&json).map_err(std::io::Error::other)?;
     let mut resp = full(status, &state.name, bytes);
     if query_param(&query, "not_processed") == Some("1") {
@@ -166,9 +242,63 @@ impl hyper::body::Body for Chunks {
     }
 }
 
+/// The TLS configuration: `cert` and `key` (PEM), ALPN `h2` and `http/1.1`, and with
+/// `client_ca` (PEM) a client certificate signed by it required.
+fn tls_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let certs = CertificateDer::pem_file_iter(cert)
+        .with_context(|| format!("cannot read certificates from {}", cert.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("bad certificate in {}", cert.display()))?;
+    let key = PrivateKeyDer::from_pem_file(key)
+        .with_context(|| format!("cannot read a private key from {}", key.display()))?;
+    let builder =
+        rustls::ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_file_iter(ca).with_context(|| format!("cannot read {}", ca.display()))? {
+                roots
+                    .add(c.with_context(|| format!("bad certificate in {}", ca.display()))?)
+                    .with_context(|| format!("unusable CA certificate in {}", ca.display()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .with_context(|| format!("client CA {}", ca.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config =
+        builder.with_single_cert(certs, key).context("certificate and key do not form a valid identity")?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// The subject common name of a DER certificate, if it has a text one.
+fn subject_cn(cert: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let cn = cert.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_owned)
+}
+
+/// Serves HTTP/1.1 and HTTP/2 on one accepted connection.
+async fn serve<I>(io: I, state: Arc<State>, client: ClientCert)
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let client = Arc::new(client);
+    let svc = hyper::service::service_fn(move |req| handle(state.clone(), client.clone(), req));
+    let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(io), svc).await;
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsAcceptor::from(tls_config(cert, key, args.client_ca.as_deref())?)),
+        _ => None,
+    };
     let listener = TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     if let Some(p) = &args.port_file {
@@ -177,9 +307,14 @@ async fn main() -> anyhow::Result<()> {
         std::fs::rename(&tmp, p)?;
     }
     eprintln!("postern-echo {} listening on {addr}", args.name);
-    let state = Arc::new(State { name: args.name, count: AtomicU64::new(0) });
+    let state = Arc::new(State {
+        name: args.name,
+        count: AtomicU64::new(0),
+        delay_ms: AtomicU64::new(args.delay_ms),
+        retried: AtomicU64::new(0),
+    });
     loop {
-        let (stream, _) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("accept: {e}");
@@ -189,12 +324,19 @@ async fn main() -> anyhow::Result<()> {
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let state = state.clone();
-                async move { handle(state, req).await }
-            });
-            let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+            let Some(tls) = tls else {
+                return serve(stream, state, ClientCert::default()).await;
+            };
+            match tls.accept(stream).await {
+                Ok(stream) => {
+                    let cert = stream.get_ref().1.peer_certificates().and_then(|c| c.first());
+                    let client = ClientCert { present: cert.is_some(), cn: cert.and_then(|c| subject_cn(c.as_ref())) };
+                    serve(stream, state, client).await;
+                }
+                Err(e) => eprintln!("TLS handshake with {peer}: {e}"),
+            }
         });
     }
 }

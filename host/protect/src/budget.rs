@@ -57,7 +57,9 @@ impl RetryBudget {
         self.window.add(self.window.ms(now), 1, 0);
     }
 
-    /// Takes one retry from the budget if it has one.
+    /// Takes one retry from the budget if it has one (spent even if the retry then
+    /// goes nowhere: the breaker may still refuse it; [`RetryBudget::sent`] counts
+    /// the ones that went).
     pub fn try_retry(&self, now: Instant) -> bool {
         let ms = self.window.ms(now);
         let (requests, retries) = self.window.sum(ms);
@@ -67,11 +69,15 @@ impl RetryBudget {
             return false;
         }
         self.window.add(ms, 0, 1);
-        self.retried.fetch_add(1, Ordering::Relaxed);
         true
     }
 
-    /// Retries it allowed.
+    /// Counts a retry sent to the backend.
+    pub fn sent(&self) {
+        self.retried.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Retries sent.
     pub fn retried(&self) -> u64 {
         self.retried.load(Ordering::Relaxed)
     }
