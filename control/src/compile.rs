@@ -191,6 +191,80 @@ fn ranged(
     None
 }
 
+/// A cluster's `outlier:`, each field checked against its range.
+fn compile_outlier(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    doc: &crate::config::OutlierDoc,
+    owner: Option<&str>,
+) -> postern_model::OutlierSpec {
+    let mut spec = postern_model::OutlierSpec::default();
+    let at = |name: &str| format!("{field}.outlier.{name}");
+    if let Some(n) =
+        doc.consecutive_failures.and_then(|v| ranged(cx, file, at("consecutiveFailures"), v, (1, 1000), owner))
+    {
+        spec.consecutive = n;
+    }
+    if let Some(ms) =
+        doc.eject_for.as_deref().and_then(|v| ranged_ms(cx, file, at("ejectFor"), v, (1_000, 3_600_000), owner))
+    {
+        spec.eject_ms = ms;
+    }
+    if let Some(ms) =
+        doc.max_eject_for.as_deref().and_then(|v| ranged_ms(cx, file, at("maxEjectFor"), v, (1_000, 3_600_000), owner))
+    {
+        spec.max_eject_ms = ms;
+    }
+    if let Some(p) =
+        doc.max_ejected_percent.and_then(|v| ranged(cx, file, at("maxEjectedPercent"), v.into(), (0, 100), owner))
+    {
+        spec.max_percent = u8::try_from(p).unwrap_or(50);
+    }
+    if spec.max_eject_ms < spec.eject_ms {
+        cx.error(file, at("maxEjectFor"), "must be at least ejectFor", owner);
+    }
+    spec
+}
+
+/// A cluster's `tls:`: its CA file (inside the repository) read and checked, embedded.
+fn cluster_tls(
+    cx: &mut Ctx,
+    root: &Path,
+    file: &Path,
+    field: &str,
+    doc: &crate::config::ClusterTlsDoc,
+    owner: Option<&str>,
+) -> Option<postern_model::ClusterTls> {
+    let at = format!("{field}.tls.ca");
+    let rel = Path::new(&doc.ca);
+    if rel.is_absolute() || rel.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        cx.error(file, at, "give a path inside the repository", owner);
+        return None;
+    }
+    let pem = match std::fs::read(root.join(rel)) {
+        Ok(pem) => pem,
+        Err(e) => {
+            cx.error(file, at, format!("cannot read {}: {e}", doc.ca), owner);
+            return None;
+        }
+    };
+    if let Err(e) = postern_model::tls::roots_pem(&pem, &doc.ca) {
+        cx.error(file, at, format!("{e:#}"), owner);
+        return None;
+    }
+    if let Some(name) = &doc.server_name
+        && rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
+    {
+        cx.error(file, format!("{field}.tls.serverName"), format!("{name:?} is not a DNS name or IP address"), owner);
+        return None;
+    }
+    Some(postern_model::ClusterTls {
+        ca_pem: String::from_utf8_lossy(&pem).into_owned(),
+        server_name: doc.server_name.clone(),
+    })
+}
+
 /// A priority class by name; `None` (and an error naming `field`) for an unknown one.
 fn priority(cx: &mut Ctx, file: &Path, field: String, v: &str, owner: Option<&str>) -> Option<Priority> {
     let p = Priority::parse(v);
@@ -425,8 +499,29 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
             })
             .and_then(|p| u8::try_from(p).ok())
             .unwrap_or(postern_model::DEFAULT_SHED_AT_PERCENT);
-        let cluster =
-            Cluster { endpoints: c.endpoints, owner: c.owner, max_connections, breaker, retry_budget, shed_at_percent };
+        let http2 = match c.protocol.as_deref() {
+            None | Some("http1") => false,
+            Some("http2") => true,
+            Some(p) => {
+                let msg = format!("unknown protocol {p:?} (http1 or http2)");
+                cx.error(&clusters_path, format!("{field}.protocol"), msg, c.owner.as_deref());
+                false
+            }
+        };
+        let tls =
+            c.tls.as_ref().and_then(|t| cluster_tls(&mut cx, root, &clusters_path, &field, t, c.owner.as_deref()));
+        let outlier = compile_outlier(&mut cx, &clusters_path, &field, &c.outlier, c.owner.as_deref());
+        let cluster = Cluster {
+            endpoints: c.endpoints,
+            owner: c.owner,
+            max_connections,
+            breaker,
+            retry_budget,
+            shed_at_percent,
+            http2,
+            tls,
+            outlier,
+        };
         out_clusters.insert(name, cluster);
     }
 

@@ -48,6 +48,44 @@ pub struct ClusterDoc {
     /// this percentage of `maxConnections` (default 80, 10 to 100).
     #[serde(default, rename = "shedAtPercent")]
     pub shed_at_percent: Option<u8>,
+    /// `http1` (default) or `http2` (h2 over TLS with `tls:`, else h2c).
+    #[serde(default)]
+    pub protocol: Option<String>,
+    /// TLS to the cluster's hosts.
+    #[serde(default)]
+    pub tls: Option<ClusterTlsDoc>,
+    /// When a single host is ejected (every field has a default).
+    #[serde(default)]
+    pub outlier: OutlierDoc,
+}
+
+/// `outlier:` of a cluster.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OutlierDoc {
+    /// Failures in a row that eject a host (default 5, 1 to 1000).
+    #[serde(default)]
+    pub consecutive_failures: Option<u32>,
+    /// The first ejection's length (default 30s, 1s to 1h).
+    #[serde(default)]
+    pub eject_for: Option<String>,
+    /// The longest ejection (default 5m, 1s to 1h).
+    #[serde(default)]
+    pub max_eject_for: Option<String>,
+    /// The most of the hosts out at once (default 50, 0 to 100; 0: never eject).
+    #[serde(default)]
+    pub max_ejected_percent: Option<u8>,
+}
+
+/// `tls:` of a cluster.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ClusterTlsDoc {
+    /// The CA file (PEM), relative to the repository's root.
+    pub ca: String,
+    /// The name the hosts' certificates must carry (default: the endpoint's host).
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// `retryBudget:` of a cluster.

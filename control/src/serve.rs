@@ -250,7 +250,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     });
     let tls = match &settings.tls {
         Some((cert, key)) => {
-            Some(tokio_rustls::TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"http/1.1"])?))
+            Some(tokio_rustls::TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"http/1.1"], None)?))
         }
         None => None,
     };

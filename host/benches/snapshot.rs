@@ -28,6 +28,9 @@ fn snapshot(routes: usize) -> Snapshot {
                 breaker: Default::default(),
                 retry_budget: Default::default(),
                 shed_at_percent: 80,
+                http2: false,
+                tls: None,
+                outlier: Default::default(),
             },
         );
     }

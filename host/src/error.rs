@@ -192,7 +192,7 @@ mod tests {
     #[tokio::test]
     async fn client_failures_are_classified_by_kind() {
         use crate::body::UpstreamBody;
-        let client = crate::upstream::Clients::default().get(Duration::from_millis(200));
+        let client = crate::upstream::Clients::default().get(Duration::from_millis(200), &Default::default()).unwrap();
         let send = |uri: String| {
             let req = http::Request::get(uri).body(UpstreamBody::Full(None)).unwrap();
             client.request(req)

@@ -410,7 +410,7 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
 /// bounded set: clusters come from the platform's config).
 pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upstream>]) {
     let now = std::time::Instant::now();
-    let families: [(&str, &str, &str); 6] = [
+    let families: [(&str, &str, &str); 8] = [
         (
             "postern_upstream_breaker_open",
             "gauge",
@@ -425,6 +425,12 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
         ("postern_upstream_in_flight", "gauge", "Requests in flight to the cluster."),
         ("postern_upstream_retries_total", "counter", "Requests sent once more to another host of the cluster."),
         ("postern_upstream_retries_denied_total", "counter", "Retries the cluster's spent retry budget refused."),
+        (
+            "postern_upstream_hosts_ejected",
+            "gauge",
+            "The cluster's hosts out after failing in a row (outlier ejection).",
+        ),
+        ("postern_upstream_ejections_total", "counter", "Times one of the cluster's hosts was ejected."),
     ];
     for (i, (name, kind, help)) in families.iter().enumerate() {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -436,7 +442,9 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
                 2 => b.refused(),
                 3 => u64::from(u.in_flight()),
                 4 => u.budget.retried(),
-                _ => u.budget.denied(),
+                5 => u.budget.denied(),
+                6 => u.hosts.ejected(now).0 as u64,
+                _ => u.hosts.ejected(now).1,
             };
             let _ = writeln!(out, "{name}{{cluster=\"{}\"}} {v}", escape(&u.name));
         }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::header::{CONTENT_LENGTH, HOST};
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
@@ -23,7 +23,7 @@ use crate::error::ProxyError;
 use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
 use crate::metrics::Metrics;
 use crate::respond;
-use crate::snapshot::{CompiledRoute, Live, Rewrite, Upstream};
+use crate::snapshot::{Backend, CompiledRoute, Live, Rewrite};
 use http_body_util::BodyExt;
 
 /// Shared state of the data plane.
@@ -339,7 +339,8 @@ async fn forward<'l>(
             route.split(id.and_then(Identity::caller).map(|(_, caller)| &caller[..]))
         }
     };
-    let upstream = upstream.ok_or(ProxyError::NoEndpoint)?;
+    let backend = upstream.ok_or(ProxyError::NoEndpoint)?;
+    let upstream = &*backend.upstream;
     // Shed by priority before the caller is charged a token or a filter runs.
     let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
         .map_err(ProxyError::Shed)?;
@@ -347,7 +348,8 @@ async fn forward<'l>(
         run_request_filters(rest, &mut parts, cx).await?;
         crate::canon::check_edited_path(&parts, &live.paths)?;
     }
-    let endpoint = upstream.pick().cloned().ok_or(ProxyError::NoEndpoint)?;
+    let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
+    let endpoint = endpoint.clone();
     let permit = upstream
         .permit(|| class.unwrap_or_else(|| crate::shedding::class(route, live, cx, &parts.headers)))
         .ok_or(ProxyError::UpstreamOverloaded)?;
@@ -359,7 +361,7 @@ async fn forward<'l>(
             .ok_or(ProxyError::BadRequest("the rewritten path is not valid"))?,
     };
     let mut uri_parts = http::uri::Parts::default();
-    uri_parts.scheme = Some(Scheme::HTTP);
+    uri_parts.scheme = Some(upstream.scheme.clone());
     uri_parts.authority = Some(endpoint);
     uri_parts.path_and_query = Some(pq);
     parts.uri = Uri::from_parts(uri_parts).map_err(|_| ProxyError::Internal("cannot build the upstream URI"))?;
@@ -427,11 +429,11 @@ async fn forward<'l>(
         // The budget's base: what was first sent to a cluster a retry can go to.
         upstream.budget.request(sent);
     }
-    let mut result = exchange(route, upstream, ticket, up, left).await;
+    let mut result = exchange(route, backend, at, ticket, up, left).await;
     if let Some(r) = replay
         && retriable(&result)
     {
-        result = retry(route, upstream, r, ex.start, result).await;
+        result = retry(route, backend, at, r, ex.start, result).await;
     }
     ex.waited = Instant::now().saturating_duration_since(sent);
     let resp = result?;
@@ -469,33 +471,41 @@ const X_OVERLOADED: HeaderName = HeaderName::from_static("x-postern-overloaded")
 /// again.
 const X_RETRY: HeaderName = HeaderName::from_static("x-postern-retry");
 
-/// Sends one request to the cluster within `left` and tells the breaker how it went: a
-/// timeout, a failed exchange or a 5xx is a failure; what the caller caused (a body over
-/// the route's limit, an upload it broke off) says nothing of the backend and is not
-/// recorded.
+/// Sends one request to host `host` of the cluster within `left` and tells the breaker
+/// and the host's outlier count how it went: a timeout, a failed exchange or a 5xx is a
+/// failure; what the caller caused (a body over the route's limit, an upload it broke
+/// off) says nothing of the backend and is not recorded.
 async fn exchange(
     route: &CompiledRoute,
-    upstream: &Upstream,
+    backend: &Backend,
+    host: usize,
     ticket: postern_protect::Ticket,
     up: Request<UpstreamBody>,
     left: Duration,
 ) -> Result<Response<Incoming>, ProxyError> {
-    let result = tokio::time::timeout(left, route.client.request(up)).await;
+    let upstream = &*backend.upstream;
+    let waiting = upstream.hosts.start(host);
+    let result = tokio::time::timeout(left, backend.client.request(up)).await;
+    drop(waiting);
     let done = Instant::now();
+    let record = |failed: bool| {
+        upstream.breaker.record(ticket, failed, done);
+        upstream.hosts.record(host, failed, done);
+    };
     match result {
         Err(_) => {
-            upstream.breaker.record(ticket, true, done);
+            record(true);
             Err(ProxyError::ResponseTimeout { timeout: route.response_timeout })
         }
         Ok(Err(e)) => {
             let e = ProxyError::from_client(e, route.max_body_bytes);
             if e.origin() != crate::error::Origin::Downstream {
-                upstream.breaker.record(ticket, true, done);
+                record(true);
             }
             Err(e)
         }
         Ok(Ok(resp)) => {
-            upstream.breaker.record(ticket, resp.status().is_server_error(), done);
+            record(resp.status().is_server_error());
             if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && resp.headers().contains_key(X_OVERLOADED) {
                 // The backend's own concurrency limiter fired: its routes shed by priority.
                 upstream.shed.strain();
@@ -548,18 +558,20 @@ fn closed_before_answer(e: &(dyn std::error::Error + 'static)) -> bool {
 /// and the route's deadline allow; otherwise the first outcome stands.
 async fn retry(
     route: &CompiledRoute,
-    upstream: &Upstream,
+    backend: &Backend,
+    tried: usize,
     r: Box<Replay>,
     start: Instant,
     first: Result<Response<Incoming>, ProxyError>,
 ) -> Result<Response<Incoming>, ProxyError> {
+    let upstream = &*backend.upstream;
     let now = Instant::now();
     let left = route.response_timeout.saturating_sub(now.saturating_duration_since(start));
-    let Some(tried) = r.uri.authority() else { return first };
     if left.is_zero() {
         return first;
     }
-    let Some(other) = upstream.pick_other(tried).cloned() else { return first };
+    let Some((other_host, other)) = upstream.pick_other(tried, now) else { return first };
+    let other = other.clone();
     if !upstream.budget.try_retry(now) {
         return first;
     }
@@ -577,7 +589,7 @@ async fn retry(
     *up.headers_mut() = headers;
     drop(first);
     upstream.budget.sent();
-    exchange(route, upstream, ticket, up, left).await
+    exchange(route, backend, other_host, ticket, up, left).await
 }
 
 /// The forwarding headers the backend is told: from the connection, or from a trusted

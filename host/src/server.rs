@@ -45,6 +45,13 @@ pub struct Args {
     /// PEM private key for `--tls-cert`.
     #[arg(long, requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// PEM certificate chain the node presents to backends of clusters with `tls:`
+    /// (mutual TLS), so they know the identity headers came from a gateway.
+    #[arg(long, requires = "upstream_key")]
+    pub upstream_cert: Option<PathBuf>,
+    /// PEM private key for `--upstream-cert`.
+    #[arg(long, requires = "upstream_cert")]
+    pub upstream_key: Option<PathBuf>,
     /// Worker threads (default: one per core).
     #[arg(long)]
     pub workers: Option<usize>,
@@ -368,7 +375,7 @@ impl<IO: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<IO> {
 const IDLE_TICKS: u32 = 4;
 
 fn load_tls(cert: &Path, key: &Path) -> anyhow::Result<TlsAcceptor> {
-    Ok(TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"h2", b"http/1.1"])?))
+    Ok(TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"h2", b"http/1.1"], None)?))
 }
 
 /// HTTP/1 and HTTP/2 settings of every client connection, each set explicitly
@@ -717,6 +724,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     if let Some(t) = &trust {
         builder.require_signed(t.clone());
+    }
+    if let (Some(cert), Some(key)) = (&args.upstream_cert, &args.upstream_key) {
+        let id = crate::upstream::Identity::load(cert, key).context("the client certificate for backends")?;
+        builder.use_upstream_identity(Arc::new(id));
     }
     let ratesync = if args.ratelimit_redis.is_empty() {
         None

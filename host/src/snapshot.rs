@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -39,13 +39,17 @@ pub enum BuildError {
     },
 }
 
-/// A backend cluster: endpoints used round robin.
+/// A backend cluster: its hosts, each request to the less loaded of two drawn by
+/// weight among those not ejected.
 #[derive(Debug)]
 pub struct Upstream {
     /// Cluster name.
     pub name: Arc<str>,
+    /// Distinct hosts (a list may name one twice, as a weight), as `hosts` indexes them.
     endpoints: Vec<Authority>,
-    next: AtomicUsize,
+    /// The hosts' load, failures and ejections, kept across snapshots while the
+    /// cluster's endpoint list stays the same.
+    pub hosts: Arc<postern_protect::Hosts>,
     /// Requests in flight to the cluster, kept across snapshots.
     inflight: Arc<AtomicU32>,
     max_inflight: u32,
@@ -54,14 +58,16 @@ pub struct Upstream {
     pub breaker: Arc<postern_protect::Breaker>,
     /// The cluster's retry budget on this node, kept the same way.
     pub budget: Arc<postern_protect::RetryBudget>,
-    /// Distinct endpoints (a list may name one twice, as a weight).
-    hosts: usize,
     /// The cluster's priority shedding on this node, kept across snapshots.
     pub shed: Arc<postern_protect::Shedder>,
     /// Requests in flight at which the cluster counts as overloaded.
     shed_at: u32,
     /// Requests in flight from which the lower classes may not take every place.
     reserved_from: u32,
+    /// How the gateway speaks to its hosts.
+    pub transport: crate::upstream::Transport,
+    /// `https` for a TLS cluster, else `http`.
+    pub scheme: http::uri::Scheme,
 }
 
 /// The share of a cluster's cap, in percent, each class may fill (by rank: `critical`,
@@ -69,31 +75,22 @@ pub struct Upstream {
 pub const CAP_SHARE: [u64; 4] = [100, 90, 80, 70];
 
 impl Upstream {
-    /// The next endpoint, round robin.
-    pub fn pick(&self) -> Option<&Authority> {
-        let n = self.endpoints.len();
-        if n == 0 {
-            return None;
-        }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % n;
-        self.endpoints.get(i)
+    /// The host for a request (its index and authority): the less loaded of two drawn
+    /// by weight among the hosts not ejected.
+    pub fn pick(&self, now: std::time::Instant) -> Option<(usize, &Authority)> {
+        let i = self.hosts.pick(now, [fastrand::u32(..), fastrand::u32(..)])?;
+        Some((i, self.endpoints.get(i)?))
     }
 
     /// Whether the cluster has two hosts or more (a retry goes to another).
     pub fn has_other(&self) -> bool {
-        self.hosts > 1
+        self.endpoints.len() > 1
     }
 
-    /// The endpoint after `not` (the round robin's own turn is left alone); `None` when
-    /// the cluster has one.
-    pub fn pick_other(&self, not: &Authority) -> Option<&Authority> {
-        let n = self.endpoints.len();
-        if n < 2 {
-            return None;
-        }
-        // The next that is another host (a list may name one twice, as a weight).
-        let at = self.endpoints.iter().position(|e| e == not).unwrap_or(n - 1);
-        (1..n).map(|k| &self.endpoints[(at + k) % n]).find(|e| *e != not)
+    /// Another host than `not` that is not ejected, for a retry; `None` when there is none.
+    pub fn pick_other(&self, not: usize, now: std::time::Instant) -> Option<(usize, &Authority)> {
+        let i = self.hosts.pick_other(not, now, fastrand::u32(..))?;
+        Some((i, self.endpoints.get(i)?))
     }
 
     /// Whether the cluster is overloaded now: its requests in flight at the shedding
@@ -116,8 +113,21 @@ impl Upstream {
             breaker["probing_in_ms"] = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).into();
         }
         let (requests, retries) = self.budget.counts(now);
+        let hosts: Vec<serde_json::Value> = (0..self.endpoints.len())
+            .filter_map(|i| {
+                let h = self.hosts.state(i, now)?;
+                let mut v = serde_json::json!({
+                    "endpoint": self.endpoints[i].as_str(), "in_flight": h.in_flight, "ejections": h.ejections,
+                });
+                if let Some(d) = h.ejected_for {
+                    v["ejected_for_ms"] = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).into();
+                }
+                Some(v)
+            })
+            .collect();
         serde_json::json!({
             "endpoints": self.endpoints.len(),
+            "hosts": hosts,
             "in_flight": self.in_flight(),
             "max_in_flight": self.max_inflight,
             "breaker": breaker,
@@ -160,20 +170,28 @@ pub enum Rewrite {
     Full(String),
 }
 
+/// One of a route's backends: its cluster, and the client that speaks the cluster's
+/// transport with the route's connect timeout.
+#[derive(Debug)]
+pub struct Backend {
+    /// The cluster.
+    pub upstream: Arc<Upstream>,
+    /// Its client.
+    pub client: Client,
+}
+
 /// One route, ready for requests.
 pub struct CompiledRoute {
     /// `team/name`.
     pub id: Arc<str>,
     /// Backends, indexed by [`CompiledRoute::split`].
-    pub backends: Vec<Arc<Upstream>>,
+    pub backends: Vec<Backend>,
     /// Bucket (0..100) → index into `backends`.
     pub buckets: [u8; 100],
     /// Per-route hash seed, so routes split independently.
     pub seed: u64,
     /// Header keying the split.
     pub split_header: Option<HeaderName>,
-    /// Client with this route's connect timeout.
-    pub client: Client,
     /// Until the backend's response head.
     pub response_timeout: Duration,
     /// Body limit.
@@ -251,7 +269,7 @@ impl std::fmt::Debug for CompiledRoute {
 impl CompiledRoute {
     /// The backend for a caller: a stable hash of `key` into 100 buckets, so one caller
     /// always sees one backend; a random bucket without a key.
-    pub fn split(&self, key: Option<&[u8]>) -> Option<&Arc<Upstream>> {
+    pub fn split(&self, key: Option<&[u8]>) -> Option<&Backend> {
         if self.backends.len() == 1 {
             return self.backends.first();
         }
@@ -323,6 +341,9 @@ struct Guards {
     breaker: Arc<postern_protect::Breaker>,
     budget: Arc<postern_protect::RetryBudget>,
     shed: Arc<postern_protect::Shedder>,
+    /// The endpoint list the hosts' state belongs to.
+    endpoints: Vec<String>,
+    hosts: Arc<postern_protect::Hosts>,
 }
 
 /// The retry budget's settings from the snapshot's.
@@ -410,6 +431,12 @@ impl Builder {
         }
     }
 
+    /// Presents `identity` (the node's client certificate) to every TLS cluster, from
+    /// the next snapshot on (call before the first).
+    pub fn use_upstream_identity(&mut self, identity: Arc<crate::upstream::Identity>) {
+        *self.clients.get_mut().unwrap_or_else(|p| p.into_inner()) = Clients::with_identity(Some(identity));
+    }
+
     /// Refuses, from now on, every snapshot not signed by one of `trust`'s keys.
     pub fn require_signed(&mut self, trust: Arc<postern_model::sign::Trust>) {
         self.trust = Some(trust);
@@ -468,16 +495,31 @@ impl Builder {
         let gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
         let mut staged: Vec<(String, Guards)> = Vec::with_capacity(snapshot.clusters.len());
         for (name, c) in &snapshot.clusters {
-            let mut endpoints = Vec::with_capacity(c.endpoints.len());
+            // Distinct hosts, and a weighted slot per listed endpoint.
+            let mut endpoints: Vec<Authority> = Vec::with_capacity(c.endpoints.len());
+            let mut slots = Vec::with_capacity(c.endpoints.len());
             for e in &c.endpoints {
                 let a = e.parse::<Authority>().map_err(|err| BuildError::Route {
                     route: format!("(cluster {name})"),
                     reason: format!("endpoint {e:?}: {err}"),
                 })?;
-                endpoints.push(a);
+                let at = endpoints.iter().position(|x| *x == a).unwrap_or_else(|| {
+                    endpoints.push(a);
+                    endpoints.len() - 1
+                });
+                slots.push(u16::try_from(at).map_err(|_| BuildError::Route {
+                    route: format!("(cluster {name})"),
+                    reason: "more than 65535 endpoints".into(),
+                })?);
             }
             let config = breaker_config(&c.breaker);
             let budget = budget_config(&c.retry_budget);
+            let eject = postern_protect::EjectConfig {
+                consecutive: c.outlier.consecutive,
+                base: Duration::from_millis(u64::from(c.outlier.eject_ms)),
+                max: Duration::from_millis(u64::from(c.outlier.max_eject_ms)),
+                max_percent: c.outlier.max_percent,
+            };
             let now = std::time::Instant::now();
             // The live state is kept while its settings stay; new settings start anew (a
             // closed breaker, an empty window), recorded only once this snapshot builds.
@@ -493,23 +535,28 @@ impl Builder {
                     _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
                 },
                 shed: kept.map_or_else(Arc::default, |g| g.shed.clone()),
+                hosts: match kept {
+                    Some(g) if g.endpoints == c.endpoints && *g.hosts.config() == eject => g.hosts.clone(),
+                    _ => Arc::new(postern_protect::Hosts::new(endpoints.len(), slots, eject, now)),
+                },
+                endpoints: c.endpoints.clone(),
             };
             let max_inflight = c.max_connections.max(1);
-            let endpoints_distinct = endpoints.iter().collect::<std::collections::HashSet<_>>().len();
             upstreams.insert(
                 name,
                 Arc::new(Upstream {
                     name: Arc::from(name.as_str()),
                     endpoints,
-                    next: AtomicUsize::new(0),
+                    hosts: guards.hosts.clone(),
                     inflight: guards.inflight.clone(),
                     max_inflight,
                     breaker: guards.breaker.clone(),
                     budget: guards.budget.clone(),
-                    hosts: endpoints_distinct,
                     shed: guards.shed.clone(),
                     shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
                     reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
+                    scheme: if c.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP },
+                    transport: crate::upstream::Transport { http2: c.http2, tls: c.tls.clone() },
                 }),
             );
             staged.push((name.clone(), guards));
@@ -526,7 +573,10 @@ impl Builder {
             for b in &r.backends {
                 let u =
                     upstreams.get(b.cluster.as_str()).ok_or_else(|| err(format!("unknown cluster {:?}", b.cluster)))?;
-                backends.push(u.clone());
+                let client = clients
+                    .get(Duration::from_millis(r.timeouts.connect_ms), &u.transport)
+                    .map_err(|e| err(format!("cluster {}: {e}", b.cluster)))?;
+                backends.push(Backend { upstream: u.clone(), client });
             }
             if backends.is_empty() || backends.len() > 255 {
                 return Err(err("a route needs 1 to 255 backends".into()));
@@ -581,7 +631,6 @@ impl Builder {
                 backends,
                 buckets: bucket_table(&weights),
                 split_header,
-                client: clients.get(Duration::from_millis(r.timeouts.connect_ms)),
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
@@ -626,27 +675,30 @@ mod tests {
 
     #[test]
     fn a_retry_goes_to_another_host_even_when_one_is_named_twice() {
-        let up = |endpoints: &[&str]| Upstream {
-            name: Arc::from("c"),
-            endpoints: endpoints.iter().map(|e| e.parse::<Authority>().unwrap()).collect(),
-            next: AtomicUsize::new(0),
-            inflight: Arc::default(),
-            max_inflight: 1,
-            breaker: Arc::new(postern_protect::Breaker::new(Default::default(), std::time::Instant::now())),
-            budget: Arc::new(postern_protect::RetryBudget::new(Default::default(), std::time::Instant::now())),
-            hosts: endpoints.iter().collect::<std::collections::HashSet<_>>().len(),
-            shed: Arc::default(),
-            shed_at: 1,
-            reserved_from: 1,
+        let metrics = Arc::new(Metrics::default());
+        let build = |endpoints: &str| {
+            let snapshot: Snapshot = serde_json::from_value(serde_json::json!({
+                "schema": postern_model::SCHEMA_VERSION,
+                "clusters": {"c": {"endpoints": serde_json::from_str::<serde_json::Value>(endpoints).unwrap()}},
+                "routes": [], "plans": {},
+            }))
+            .unwrap();
+            let live = Builder::new(metrics.clone()).build(1, "h".into(), &snapshot).unwrap();
+            live.upstreams[0].clone()
         };
-        let a: Authority = "a:1".parse().unwrap();
-        let u = up(&["a:1", "a:1", "b:1"]);
-        assert_eq!(u.pick_other(&a).map(Authority::as_str), Some("b:1"));
-        assert_eq!(u.pick_other(&"b:1".parse().unwrap()).map(Authority::as_str), Some("a:1"));
+        let now = std::time::Instant::now();
+        let u = build(r#"["a:1", "a:1", "b:1"]"#);
+        assert_eq!(u.endpoints.len(), 2, "one host named twice is one host");
         assert!(u.has_other());
-        assert_eq!(up(&["a:1", "a:1"]).pick_other(&a), None, "no other host");
-        assert!(!up(&["a:1", "a:1"]).has_other());
-        assert_eq!(up(&["a:1"]).pick_other(&a), None);
+        for _ in 0..20 {
+            let (i, first) = u.pick(now).unwrap();
+            let (_, other) = u.pick_other(i, now).unwrap();
+            assert_ne!(first, other);
+        }
+        let twice = build(r#"["a:1", "a:1"]"#);
+        assert!(!twice.has_other());
+        assert_eq!(twice.pick_other(0, now), None, "no other host");
+        assert_eq!(build(r#"["a:1"]"#).pick_other(0, now), None);
     }
 
     #[test]

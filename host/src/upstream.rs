@@ -1,52 +1,126 @@
-//! Connections to backends: pooled keep-alive HTTP/1.1 clients, one per connect timeout
-//! (hyper pools by endpoint inside each), kept across snapshot reloads.
+//! Connections to backends: pooled keep-alive clients, one per connect timeout and
+//! cluster transport (HTTP/1.1 or HTTP/2, plain or TLS with the node's client
+//! certificate), kept across snapshot reloads; hyper pools by endpoint inside each.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::body::UpstreamBody;
 
-/// A pooled HTTP client for backends.
-pub type Client = hyper_util::client::legacy::Client<HttpConnector, UpstreamBody>;
+/// A pooled HTTP client for backends (`http://` or `https://` endpoints).
+pub type Client = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, UpstreamBody>;
 
-/// Clients by connect timeout.
-#[derive(Debug, Default)]
-pub struct Clients {
-    by_connect_timeout: HashMap<Duration, Client>,
+/// How the gateway speaks to a cluster's hosts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Transport {
+    /// HTTP/2 (h2 over TLS, else h2c with prior knowledge) instead of HTTP/1.1.
+    pub http2: bool,
+    /// TLS with this cluster's CA and name.
+    pub tls: Option<postern_model::ClusterTls>,
 }
 
-impl Clients {
-    /// The client with this connect timeout, made on first use.
-    pub fn get(&mut self, connect_timeout: Duration) -> Client {
-        self.by_connect_timeout
-            .entry(connect_timeout)
-            .or_insert_with(|| {
-                let mut connector = HttpConnector::new();
-                connector.set_connect_timeout(Some(connect_timeout));
-                connector.set_nodelay(true);
-                connector.set_keepalive(Some(Duration::from_secs(60)));
-                hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-                    .pool_timer(TokioTimer::new())
-                    .timer(TokioTimer::new())
-                    .pool_idle_timeout(Duration::from_secs(90))
-                    .pool_max_idle_per_host(1024)
-                    // As the listeners' (`server::http_builder`): a backend connection's
-                    // read buffer stops at 64 KiB instead of hyper's ~400 KiB, so a
-                    // large response streams through in small chunks.
-                    .http1_max_buf_size(64 * 1024)
-                    .build(connector)
-            })
-            .clone()
+/// The node's client certificate for TLS to backends (mTLS).
+#[derive(Debug)]
+pub struct Identity {
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl Identity {
+    /// The certificate chain and key in PEM files.
+    pub fn load(cert: &std::path::Path, key: &std::path::Path) -> anyhow::Result<Identity> {
+        let (certs, key) = postern_model::tls::identity(cert, key)?;
+        Ok(Identity { certs, key })
     }
 }
 
-/// A request's place in its cluster's connection cap (requests in flight to a cluster,
-/// each on its own pooled HTTP/1.1 connection); given back on drop.
+/// Clients by connect timeout and transport.
+#[derive(Debug, Default)]
+pub struct Clients {
+    clients: HashMap<(Duration, Transport), Client>,
+    identity: Option<Arc<Identity>>,
+}
+
+impl Clients {
+    /// Clients that present `identity` to TLS backends.
+    pub fn with_identity(identity: Option<Arc<Identity>>) -> Clients {
+        Clients { clients: HashMap::new(), identity }
+    }
+
+    /// The client with this connect timeout and transport, made on first use.
+    pub fn get(&mut self, connect_timeout: Duration, transport: &Transport) -> Result<Client, String> {
+        let key = (connect_timeout, transport.clone());
+        if let Some(c) = self.clients.get(&key) {
+            return Ok(c.clone());
+        }
+        let client = build(connect_timeout, transport, self.identity.as_deref())?;
+        self.clients.insert(key, client.clone());
+        Ok(client)
+    }
+}
+
+fn build(connect_timeout: Duration, transport: &Transport, identity: Option<&Identity>) -> Result<Client, String> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    connector.set_keepalive(Some(Duration::from_secs(60)));
+    connector.enforce_http(false);
+    let roots = match &transport.tls {
+        Some(t) => {
+            postern_model::tls::roots_pem(t.ca_pem.as_bytes(), "the cluster's CA").map_err(|e| format!("{e:#}"))?
+        }
+        None => rustls::RootCertStore::empty(),
+    };
+    let config = rustls::ClientConfig::builder_with_provider(postern_model::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .with_root_certificates(roots);
+    let config = match identity {
+        Some(id) if transport.tls.is_some() => config
+            .with_client_auth_cert(id.certs.clone(), id.key.clone_key())
+            .map_err(|e| format!("the node's client certificate: {e}"))?,
+        _ => config.with_no_client_auth(),
+    };
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();
+    let builder = match transport.tls.as_ref().and_then(|t| t.server_name.as_deref()) {
+        Some(name) => {
+            let name = ServerName::try_from(name.to_owned()).map_err(|e| format!("server name {name:?}: {e}"))?;
+            builder.with_server_name_resolver(FixedServerNameResolver::new(name))
+        }
+        None => builder,
+    };
+    let https = if transport.http2 {
+        builder.enable_http2().wrap_connector(connector)
+    } else {
+        builder.enable_http1().wrap_connector(connector)
+    };
+    let mut client = hyper_util::client::legacy::Client::builder(TokioExecutor::new());
+    client
+        .pool_timer(TokioTimer::new())
+        .timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        // As the listeners' (`server::http_builder`): a backend connection's read buffer
+        // stops at 64 KiB instead of hyper's ~400 KiB, so a large response streams
+        // through in small chunks.
+        .http1_max_buf_size(64 * 1024);
+    if transport.http2 {
+        client
+            .http2_only(true)
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .http2_keep_alive_timeout(Duration::from_secs(10));
+    }
+    Ok(client.build(https))
+}
+
+/// A request's place in its cluster's cap on requests in flight; given back on drop.
 #[derive(Debug)]
 pub struct Permit(Arc<AtomicU32>);
 

@@ -307,7 +307,7 @@ pub enum AuthMethod {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
-    /// `host:port` endpoints, used round robin.
+    /// `host:port` endpoints (a host named twice is drawn twice as often).
     pub endpoints: Vec<String>,
     /// Team that owns the cluster (platform-owned if `None`).
     #[serde(default)]
@@ -326,6 +326,52 @@ pub struct Cluster {
     /// requests in flight are at least this percentage of `max_connections`.
     #[serde(default = "default_shed_at_percent")]
     pub shed_at_percent: u8,
+    /// Speak HTTP/2 to the cluster's hosts (over TLS when `tls` is set, else h2c with
+    /// prior knowledge); HTTP/1.1 otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub http2: bool,
+    /// TLS to the cluster's hosts, with the node's client certificate when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClusterTls>,
+    /// When a single host is ejected for failing in a row (per node).
+    #[serde(default)]
+    pub outlier: OutlierSpec,
+}
+
+/// A cluster's passive outlier ejection on each node: a host that failed `consecutive`
+/// times in a row is sent nothing for `eject_ms` × the times it was ejected (at most
+/// `max_eject_ms`); never more than `max_percent` of the hosts are out (0: never).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutlierSpec {
+    /// Failures in a row that eject a host.
+    pub consecutive: u32,
+    /// The first ejection's length, in ms.
+    pub eject_ms: u32,
+    /// The longest ejection, in ms.
+    pub max_eject_ms: u32,
+    /// The most of the hosts out at once, in percent.
+    pub max_percent: u8,
+}
+
+impl Default for OutlierSpec {
+    /// 5 in a row; 30 s, then 60 s... up to 5 min; at most half the hosts.
+    fn default() -> OutlierSpec {
+        OutlierSpec { consecutive: 5, eject_ms: 30_000, max_eject_ms: 300_000, max_percent: 50 }
+    }
+}
+
+/// TLS to a cluster: the CA its hosts' certificates must chain to, and the name they
+/// must carry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterTls {
+    /// The CA certificates, PEM (embedded at compile: nodes read no repository files).
+    pub ca_pem: String,
+    /// The name the hosts' certificates are checked against; the endpoint's host when
+    /// `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
 }
 
 /// [`Cluster::shed_at_percent`] when a cluster does not set it.

@@ -27,12 +27,11 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use anyhow::Context as _;
 use bytes::Bytes;
 use clap::Parser;
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
@@ -40,9 +39,6 @@ use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
-use rustls::server::WebPkiClientVerifier;
-use rustls_pki_types::pem::PemObject as _;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
@@ -242,39 +238,6 @@ impl hyper::body::Body for Chunks {
     }
 }
 
-/// The TLS configuration: `cert` and `key` (PEM), ALPN `h2` and `http/1.1`, and with
-/// `client_ca` (PEM) a client certificate signed by it required.
-fn tls_config(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<Arc<rustls::ServerConfig>> {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let certs = CertificateDer::pem_file_iter(cert)
-        .with_context(|| format!("cannot read certificates from {}", cert.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("bad certificate in {}", cert.display()))?;
-    let key = PrivateKeyDer::from_pem_file(key)
-        .with_context(|| format!("cannot read a private key from {}", key.display()))?;
-    let builder =
-        rustls::ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
-    let builder = match client_ca {
-        None => builder.with_no_client_auth(),
-        Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for c in CertificateDer::pem_file_iter(ca).with_context(|| format!("cannot read {}", ca.display()))? {
-                roots
-                    .add(c.with_context(|| format!("bad certificate in {}", ca.display()))?)
-                    .with_context(|| format!("unusable CA certificate in {}", ca.display()))?;
-            }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-                .build()
-                .with_context(|| format!("client CA {}", ca.display()))?;
-            builder.with_client_cert_verifier(verifier)
-        }
-    };
-    let mut config =
-        builder.with_single_cert(certs, key).context("certificate and key do not form a valid identity")?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
-}
-
 /// The subject common name of a DER certificate, if it has a text one.
 fn subject_cn(cert: &[u8]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
@@ -296,7 +259,12 @@ where
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(TlsAcceptor::from(tls_config(cert, key, args.client_ca.as_deref())?)),
+        (Some(cert), Some(key)) => Some(TlsAcceptor::from(postern_model::tls::server_config(
+            cert,
+            key,
+            &[b"h2", b"http/1.1"],
+            args.client_ca.as_deref(),
+        )?)),
         _ => None,
     };
     let listener = TcpListener::bind(args.listen).await?;
