@@ -419,10 +419,12 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         paths: PathPolicy::default(),
     };
     let gateway_path = root.join("platform/gateway.yaml");
+    let mut never_canary = postern_model::NeverCanary::default();
     if gateway_path.exists()
         && let Some(doc) = cx.load::<crate::config::GatewayDoc>(&gateway_path, None)
     {
         cx.paths = doc.paths;
+        never_canary = doc.never_canary;
     }
     let plans_path = root.join("platform/plans.yaml");
     if plans_path.exists()
@@ -455,6 +457,12 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
             }
         }
         cx.plans = doc;
+    }
+    for (i, p) in never_canary.plans.iter().enumerate() {
+        if !cx.plans.plans.contains_key(p) {
+            let msg = format!("unknown plan {p:?}");
+            cx.error(&gateway_path, format!("neverCanary.plans[{i}]"), msg, None);
+        }
     }
     let review_path = root.join("platform/filters.yaml");
     if review_path.exists()
@@ -645,6 +653,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                     })
                     .collect(),
                 paths: cx.paths,
+                never_canary,
             },
             modules: cx.modules,
         })

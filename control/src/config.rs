@@ -144,6 +144,10 @@ pub struct GatewayDoc {
     /// backends read differently (`encodedSlash`, `backslash`, `semicolon`, `emptySegments`).
     #[serde(default)]
     pub paths: postern_model::path::PathPolicy,
+    /// Callers that never join a canary (`keys`, `apps`, `plans`): on a weighted split
+    /// they always get the route's first backend.
+    #[serde(default, rename = "neverCanary")]
+    pub never_canary: postern_model::NeverCanary,
 }
 
 /// `platform/ownership.yaml`.

@@ -75,7 +75,14 @@ fn snapshot(routes: usize) -> Snapshot {
         });
     }
     let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();
-    Snapshot { schema: SCHEMA_VERSION, clusters, routes: out, plans, paths: Default::default() }
+    Snapshot {
+        schema: SCHEMA_VERSION,
+        clusters,
+        routes: out,
+        plans,
+        paths: Default::default(),
+        never_canary: Default::default(),
+    }
 }
 
 fn bench(c: &mut Criterion) {

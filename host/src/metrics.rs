@@ -83,7 +83,7 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 19] = [
+pub const PROBLEM_CODES: [&str; 21] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -97,6 +97,8 @@ pub const PROBLEM_CODES: [&str; 19] = [
     "upstream_timeout",
     "upstream_protocol_error",
     "upstream_overloaded",
+    "circuit_open",
+    "shed",
     "filter_failed",
     "invalid_path",
     "misdirected_request",
@@ -107,11 +109,15 @@ pub const PROBLEM_CODES: [&str; 19] = [
 
 /// (route id, filter name).
 type FilterKey = (Arc<str>, String);
+/// (route id, backend cluster).
+type BackendKey = (Arc<str>, Arc<str>);
 
 /// All metrics of the process.
 #[derive(Debug, Default)]
 pub struct Metrics {
     routes: Mutex<BTreeMap<Arc<str>, Arc<RouteMetrics>>>,
+    /// Per (route, backend cluster) on routes split across backends (canaries).
+    backends: Mutex<BTreeMap<BackendKey, Arc<RouteMetrics>>>,
     filters: Mutex<BTreeMap<FilterKey, Arc<FilterStats>>>,
     /// Requests that matched no route.
     pub unrouted: RouteMetrics,
@@ -142,6 +148,13 @@ impl Metrics {
     pub fn route(&self, id: &Arc<str>) -> Arc<RouteMetrics> {
         let mut map = self.routes.lock().unwrap_or_else(|p| p.into_inner());
         map.entry(id.clone()).or_default().clone()
+    }
+
+    /// The metrics of backend `cluster` of route `id` (a route split across backends, so
+    /// versions compare on the same mix of callers), created on first use.
+    pub fn backend(&self, id: &Arc<str>, cluster: &Arc<str>) -> Arc<RouteMetrics> {
+        let mut map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry((id.clone(), cluster.clone())).or_default().clone()
     }
 
     /// The stats of Wasm filter `name` on route `id`, created on first use; called when a
@@ -215,6 +228,33 @@ impl Metrics {
         out.push_str("# TYPE postern_added_latency_seconds histogram\n");
         for (route, m) in &all {
             m.added.render(&mut out, "postern_added_latency_seconds", &format!("route=\"{route}\""));
+        }
+        let backends: Vec<(BackendKey, Arc<RouteMetrics>)> = {
+            let map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
+            map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        };
+        if !backends.is_empty() {
+            out.push_str("# HELP postern_backend_requests_total Responses on routes split across backends, by route, backend and status class.\n");
+            out.push_str("# TYPE postern_backend_requests_total counter\n");
+            for ((route, backend), m) in &backends {
+                let (route, backend) = (escape(route), escape(backend));
+                for (i, c) in m.by_class.iter().enumerate() {
+                    let n = c.load(Ordering::Relaxed);
+                    if n > 0 {
+                        let class = if i == 0 { "other".to_owned() } else { format!("{i}xx") };
+                        let _ = writeln!(
+                            out,
+                            "postern_backend_requests_total{{route=\"{route}\",backend=\"{backend}\",status=\"{class}\"}} {n}"
+                        );
+                    }
+                }
+            }
+            out.push_str("# HELP postern_backend_request_duration_seconds Time from request to response head, by route and backend.\n");
+            out.push_str("# TYPE postern_backend_request_duration_seconds histogram\n");
+            for ((route, backend), m) in &backends {
+                let labels = format!("route=\"{}\",backend=\"{}\"", escape(route), escape(backend));
+                m.latency.render(&mut out, "postern_backend_request_duration_seconds", &labels);
+            }
         }
         out.push_str("# HELP postern_gateway_errors_total Responses the gateway made itself, by code.\n");
         out.push_str("# TYPE postern_gateway_errors_total counter\n");

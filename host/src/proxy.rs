@@ -147,6 +147,8 @@ struct Exchange<'l> {
     cx: Option<Context>,
     /// Time spent waiting for the backend's response head.
     waited: Duration,
+    /// The chosen backend's own counters, on a route split across backends.
+    backend: Option<&'l crate::metrics::RouteMetrics>,
 }
 
 /// Serves one request: every way it can end goes through [`Exchange::finish`].
@@ -154,7 +156,7 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let start = Instant::now();
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
-    let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO };
+    let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO, backend: None };
     let result = forward(&gw, &conn, &live, &mut ex, trace, req).await;
     ex.finish(&gw, result)
 }
@@ -226,6 +228,10 @@ impl Exchange<'_> {
         }
         m.latency.observe(total);
         m.added.observe(total.saturating_sub(self.waited));
+        if let Some(b) = self.backend {
+            b.count(status);
+            b.latency.observe(total);
+        }
         resp
     }
 }
@@ -336,10 +342,15 @@ async fn forward<'l>(
         Some(pick) => pick,
         None => {
             let id = cx.and_then(Context::identity);
-            route.split(id.and_then(Identity::caller).map(|(_, caller)| &caller[..]))
+            match id {
+                // Callers that never join a canary get the route's stable backend.
+                Some(id) if route.backends.len() > 1 && live.never_canary.holds(id) => route.backends.first(),
+                _ => route.split(id.and_then(Identity::caller).map(|(_, caller)| &caller[..])),
+            }
         }
     };
     let backend = upstream.ok_or(ProxyError::NoEndpoint)?;
+    ex.backend = backend.metrics.as_deref();
     let upstream = &*backend.upstream;
     // Shed by priority before the caller is charged a token or a filter runs.
     let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))

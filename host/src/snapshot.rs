@@ -178,6 +178,8 @@ pub struct Backend {
     pub upstream: Arc<Upstream>,
     /// Its client.
     pub client: Client,
+    /// Its own counters, on a route split across backends (metrics by version).
+    pub metrics: Option<Arc<RouteMetrics>>,
 }
 
 /// One route, ready for requests.
@@ -282,6 +284,29 @@ impl CompiledRoute {
     }
 }
 
+/// Callers kept off every canary, as sets of the identity's bytes.
+#[derive(Debug, Default)]
+pub struct NeverCanary {
+    keys: std::collections::HashSet<Box<[u8]>>,
+    apps: std::collections::HashSet<Box<[u8]>>,
+    plans: std::collections::HashSet<Box<[u8]>>,
+}
+
+impl NeverCanary {
+    fn new(n: &postern_model::NeverCanary) -> NeverCanary {
+        let set = |v: &[String]| v.iter().map(|s| Box::from(s.as_bytes())).collect();
+        NeverCanary { keys: set(&n.keys), apps: set(&n.apps), plans: set(&n.plans) }
+    }
+
+    /// Whether the caller is kept off canaries: its key, its app or its plan is listed.
+    pub fn holds(&self, id: &postern_filter_contract::Identity) -> bool {
+        let has = |set: &std::collections::HashSet<Box<[u8]>>, v: &Option<bytes::Bytes>| {
+            !set.is_empty() && v.as_ref().is_some_and(|v| set.contains(&v[..]))
+        };
+        has(&self.keys, &id.key_id) || has(&self.apps, &id.client_id) || has(&self.plans, &id.plan)
+    }
+}
+
 /// Everything a request reads, immutable once built.
 pub struct Live {
     /// Snapshot number.
@@ -298,6 +323,8 @@ pub struct Live {
     pub upstreams: Vec<Arc<Upstream>>,
     /// Each plan's priority class (plans that set none are `standard`).
     pub priorities: HashMap<String, postern_model::Priority>,
+    /// Callers that never join a canary.
+    pub never_canary: NeverCanary,
     public: Router<CompiledRoute>,
     partner: Router<CompiledRoute>,
 }
@@ -576,7 +603,8 @@ impl Builder {
                 let client = clients
                     .get(Duration::from_millis(r.timeouts.connect_ms), &u.transport)
                     .map_err(|e| err(format!("cluster {}: {e}", b.cluster)))?;
-                backends.push(Backend { upstream: u.clone(), client });
+                let metrics = (r.backends.len() > 1).then(|| self.metrics.backend(&id, &u.name));
+                backends.push(Backend { upstream: u.clone(), client, metrics });
             }
             if backends.is_empty() || backends.len() > 255 {
                 return Err(err("a route needs 1 to 255 backends".into()));
@@ -662,6 +690,7 @@ impl Builder {
             route_count: snapshot.routes.len(),
             upstreams,
             priorities: snapshot.plans.iter().filter_map(|(name, p)| Some((name.clone(), p.priority?))).collect(),
+            never_canary: NeverCanary::new(&snapshot.never_canary),
             paths: snapshot.paths,
             public: public.build(),
             partner: partner.build(),

@@ -156,6 +156,32 @@ pub struct Snapshot {
     /// How request paths are made canonical before routing (`platform/gateway.yaml`).
     #[serde(default)]
     pub paths: path::PathPolicy,
+    /// Callers that never join a canary: on a weighted split they always get the route's
+    /// stable backend, its first (`platform/gateway.yaml` `neverCanary`).
+    #[serde(default, skip_serializing_if = "NeverCanary::is_empty")]
+    pub never_canary: NeverCanary,
+}
+
+/// Callers kept off every canary, by API key id, app (`client_id`) or plan.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NeverCanary {
+    /// API key ids.
+    #[serde(default)]
+    pub keys: Vec<String>,
+    /// Apps.
+    #[serde(default)]
+    pub apps: Vec<String>,
+    /// Plans.
+    #[serde(default)]
+    pub plans: Vec<String>,
+}
+
+impl NeverCanary {
+    /// Whether it names nobody.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty() && self.apps.is_empty() && self.plans.is_empty()
+    }
 }
 
 /// A plan: the API products its callers may use.
@@ -638,6 +664,7 @@ mod tests {
             routes: Vec::new(),
             plans: BTreeMap::new(),
             paths: Default::default(),
+            never_canary: Default::default(),
         }
     }
 

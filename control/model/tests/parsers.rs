@@ -15,6 +15,7 @@ fn empty() -> Snapshot {
         routes: Vec::new(),
         plans: Default::default(),
         paths: Default::default(),
+        never_canary: Default::default(),
     }
 }
 
