@@ -813,9 +813,15 @@ fn compile_route(
             0
         }
     };
+    let bound = |sub: &str, v: &Option<String>, max: u64, cx: &mut Ctx| {
+        v.as_deref().and_then(|v| ranged_ms(cx, file, format!("{field}.timeouts.{sub}"), v, (1_000, max), owner))
+    };
     let timeouts = Timeouts {
         connect_ms: ms("connect", &r.timeouts.connect, cx),
         response_ms: ms("response", &r.timeouts.response, cx),
+        body_idle_ms: bound("bodyIdle", &r.timeouts.body_idle, 300_000, cx).map(u64::from),
+        body_total_ms: bound("bodyTotal", &r.timeouts.body_total, 3_600_000, cx)
+            .map_or(postern_model::DEFAULT_BODY_TOTAL_MS, u64::from),
     };
 
     let max_body_bytes = r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
@@ -1342,7 +1348,10 @@ mod tests {
             .unwrap();
         assert_eq!(s.routes.len(), 1);
         assert_eq!(s.routes[0].id, "t/r");
-        assert_eq!(s.routes[0].timeouts, Timeouts { connect_ms: 1000, response_ms: 2000 });
+        assert_eq!(
+            s.routes[0].timeouts,
+            Timeouts { connect_ms: 1000, response_ms: 2000, body_idle_ms: None, body_total_ms: 300_000 }
+        );
         assert_eq!(s.routes[0].max_body_bytes, DEFAULT_MAX_BODY_BYTES);
     }
 

@@ -642,6 +642,13 @@ pub struct TimeoutsDoc {
     pub connect: String,
     /// Until the backend's response headers.
     pub response: String,
+    /// The longest a body may send nothing (default: the node's idle timeout, 60 s;
+    /// 1s to 5m).
+    #[serde(default, rename = "bodyIdle")]
+    pub body_idle: Option<String>,
+    /// The longest a body may take in all (default 5m; 1s to 1h).
+    #[serde(default, rename = "bodyTotal")]
+    pub body_total: Option<String>,
 }
 
 /// Path rewrite (one of the two).

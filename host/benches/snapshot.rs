@@ -56,7 +56,7 @@ fn snapshot(routes: usize) -> Snapshot {
             version: None,
             backends: vec![WeightedBackend { cluster: format!("svc{team}"), weight: 100 }],
             split_header: None,
-            timeouts: Timeouts { connect_ms: 250, response_ms: 2000 },
+            timeouts: Timeouts { connect_ms: 250, response_ms: 2000, body_idle_ms: None, body_total_ms: 300_000 },
             max_body_bytes: 65536,
             rewrite: None,
             filters,

@@ -22,6 +22,10 @@ pub enum BodyError {
     /// The client's stream failed.
     #[error("client body: {0}")]
     Client(#[from] hyper::Error),
+    /// The client sent nothing for the route's body idle timeout, or took longer than
+    /// its total.
+    #[error("the request body stalled or took too long")]
+    Stalled,
 }
 
 /// A client's request body, counted as it streams; past `limit` bytes it ends in
@@ -31,12 +35,13 @@ pub struct LimitedBody {
     inner: Incoming,
     limit: u64,
     seen: u64,
+    stall: Stall,
 }
 
 impl LimitedBody {
-    /// Wraps `inner` with a limit of `limit` bytes.
-    pub fn new(inner: Incoming, limit: u64) -> LimitedBody {
-        LimitedBody { inner, limit, seen: 0 }
+    /// Wraps `inner` with a limit of `limit` bytes and the time bounds of `stall`.
+    pub fn new(inner: Incoming, limit: u64, stall: Stall) -> LimitedBody {
+        LimitedBody { inner, limit, seen: 0, stall }
     }
 }
 
@@ -47,6 +52,8 @@ impl Body for LimitedBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending if this.stall.expired(cx).is_some() => Poll::Ready(Some(Err(BodyError::Stalled))),
+            Poll::Ready(Some(Ok(_))) if !this.stall.progress() => Poll::Ready(Some(Err(BodyError::Stalled))),
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     this.seen = this.seen.saturating_add(data.len() as u64);
@@ -122,9 +129,19 @@ pub fn is_too_large(err: &(dyn std::error::Error + 'static)) -> bool {
 /// Whether the client's own body stream failed somewhere in `err`'s sources (the
 /// client hung up mid-upload: the caller's failure, not the backend's).
 pub fn is_client_body(err: &(dyn std::error::Error + 'static)) -> bool {
+    body_error(err, |e| matches!(e, BodyError::Client(_)))
+}
+
+/// Whether the client's upload stalled or ran over its total somewhere in `err`'s
+/// sources.
+pub fn is_stalled(err: &(dyn std::error::Error + 'static)) -> bool {
+    body_error(err, |e| matches!(e, BodyError::Stalled))
+}
+
+fn body_error(err: &(dyn std::error::Error + 'static), which: impl Fn(&BodyError) -> bool) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
-        if matches!(e.downcast_ref::<BodyError>(), Some(BodyError::Client(_))) {
+        if e.downcast_ref::<BodyError>().is_some_and(&which) {
             return true;
         }
         cur = e.source();
@@ -132,36 +149,51 @@ pub fn is_client_body(err: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// A timer for a body that stops moving: armed when the body goes pending after
-/// progress, so a steadily moving body reads no clock; allocated once, for a body that
-/// ever waits.
+/// A body's time bounds: at most `after` without a frame, and done by `until`. The
+/// idle timer is armed when the body goes pending after progress and allocated once,
+/// for a body that ever waits; a moving body reads the clock once per frame.
 #[derive(Debug)]
 pub struct Stall {
     after: Duration,
+    until: tokio::time::Instant,
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     armed: bool,
 }
 
+/// Which bound a body broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// Nothing for the idle time.
+    Idle(Duration),
+    /// Past the total.
+    Total,
+}
+
 impl Stall {
-    /// A body may wait at most `after` for its next frame.
-    pub fn new(after: Duration) -> Stall {
-        Stall { after, timer: None, armed: false }
+    /// A body may wait at most `after` for its next frame, and must be done by `until`.
+    pub fn new(after: Duration, until: std::time::Instant) -> Stall {
+        Stall { after, until: tokio::time::Instant::from_std(until), timer: None, armed: false }
     }
 
-    /// The body moved.
-    fn progress(&mut self) {
+    /// The body moved: whether it is still within its total.
+    fn progress(&mut self) -> bool {
         self.armed = false;
+        tokio::time::Instant::now() < self.until
     }
 
-    /// The body is pending: whether it has now waited `after` since it last moved.
-    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = tokio::time::Instant::now() + self.after;
+    /// The body is pending: which bound, if any, it has now broken.
+    fn expired(&mut self, cx: &mut Context<'_>) -> Option<Bound> {
+        let idle = tokio::time::Instant::now() + self.after;
+        let deadline = idle.min(self.until);
         let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         if !self.armed {
             timer.as_mut().reset(deadline);
             self.armed = true;
         }
-        timer.as_mut().poll(cx).is_ready()
+        if timer.as_mut().poll(cx).is_pending() {
+            return None;
+        }
+        Some(if timer.deadline() >= self.until { Bound::Total } else { Bound::Idle(self.after) })
     }
 }
 
@@ -174,6 +206,9 @@ pub enum ResponseBodyError {
     /// The backend sent nothing for the body idle timeout.
     #[error("the backend's body stalled for {} s", .0.as_secs())]
     Stalled(Duration),
+    /// The body was not done within the route's total body time.
+    #[error("the backend's body ran past the route's total body time")]
+    TooLong,
 }
 
 /// A response body: the backend's stream, or a small body the gateway made.
@@ -212,10 +247,13 @@ impl Body for ResponseBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
             ResponseBody::Upstream { body, stall, permit } => match Pin::new(body).poll_frame(cx) {
-                Poll::Pending if stall.expired(cx) => Poll::Ready(Some(Err(ResponseBodyError::Stalled(stall.after)))),
-                Poll::Pending => Poll::Pending,
+                Poll::Pending => match stall.expired(cx) {
+                    None => Poll::Pending,
+                    Some(Bound::Idle(after)) => Poll::Ready(Some(Err(ResponseBodyError::Stalled(after)))),
+                    Some(Bound::Total) => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
+                },
+                Poll::Ready(Some(Ok(_))) if !stall.progress() => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
                 Poll::Ready(r) => {
-                    stall.progress();
                     if r.is_none() {
                         // Ended: the cluster's connection is free again.
                         *permit = None;

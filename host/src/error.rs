@@ -140,6 +140,9 @@ impl ProxyError {
         if crate::body::is_client_body(&e) {
             return ProxyError::ClientBodyBroken(e);
         }
+        if crate::body::is_stalled(&e) {
+            return ProxyError::BodyTimeout;
+        }
         if e.is_connect() {
             if has_io_kind(&e, std::io::ErrorKind::TimedOut) {
                 return ProxyError::ConnectTimeout(e);

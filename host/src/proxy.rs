@@ -388,13 +388,16 @@ async fn forward<'l>(
     let left = route.response_timeout.saturating_sub(ex.start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
 
-    let body = LimitedBody::new(body, route.max_body_bytes);
+    let body_idle = route.body_idle.unwrap_or(gw.body_idle);
+    let body_until = ex.start + route.body_total;
+    let body = LimitedBody::new(body, route.max_body_bytes, Stall::new(body_idle, body_until));
     let body = if route.buffer_body {
         // Small bodies on routes that opt in: read whole (the limit still counts every
         // byte), let filters see it, forward it with its exact length.
         let bytes = match tokio::time::timeout(left, body.collect()).await {
             Err(_) => return Err(ProxyError::BodyTimeout.into()),
             Ok(Err(e)) if is_too_large(&e) => return Err(too_large.into()),
+            Ok(Err(crate::body::BodyError::Stalled)) => return Err(ProxyError::BodyTimeout.into()),
             Ok(Err(e)) => return Err(ProxyError::BodyBroken(e).into()),
             Ok(Ok(c)) => c.to_bytes(),
         };
@@ -462,7 +465,7 @@ async fn forward<'l>(
             }
         }
     }
-    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(gw.body_idle), permit: Some(permit) };
+    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle, body_until), permit: Some(permit) };
     Ok(Response::from_parts(rp, body))
 }
 

@@ -196,6 +196,10 @@ pub struct CompiledRoute {
     pub split_header: Option<HeaderName>,
     /// Until the backend's response head.
     pub response_timeout: Duration,
+    /// The longest a body may send nothing (the node's idle timeout when `None`).
+    pub body_idle: Option<Duration>,
+    /// The longest a body may take in all, from the request's start.
+    pub body_total: Duration,
     /// Body limit.
     pub max_body_bytes: u64,
     /// Buffer the body for filters' body phase.
@@ -660,6 +664,8 @@ impl Builder {
                 buckets: bucket_table(&weights),
                 split_header,
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
+                body_idle: r.timeouts.body_idle_ms.map(Duration::from_millis),
+                body_total: Duration::from_millis(r.timeouts.body_total_ms),
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
                 product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),

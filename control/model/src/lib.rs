@@ -610,6 +610,20 @@ pub struct Timeouts {
     /// From sending the request to the backend's response headers; also the deadline
     /// sent to the backend.
     pub response_ms: u64,
+    /// The longest a body (the client's upload, the backend's answer) may send nothing;
+    /// the node's idle timeout when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_idle_ms: Option<u64>,
+    /// The longest a body may take in all, from the request's start.
+    #[serde(default = "default_body_total_ms")]
+    pub body_total_ms: u64,
+}
+
+/// [`Timeouts::body_total_ms`] when a route does not set it: 5 minutes.
+pub const DEFAULT_BODY_TOTAL_MS: u64 = 300_000;
+
+fn default_body_total_ms() -> u64 {
+    DEFAULT_BODY_TOTAL_MS
 }
 
 /// How the path is rewritten before forwarding.

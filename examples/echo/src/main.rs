@@ -4,7 +4,7 @@
 //!
 //! Query parameters shape the answer, for tests:
 //! `delay_ms=N` waits before answering, `status=N` sets the status, `bytes=N` streams N
-//! bytes of body instead of JSON (in 64 KiB chunks; with `cut=1` the connection breaks
+//! bytes of body instead of JSON (in 64 KiB chunks, `pace_ms=N` apart; with `cut=1` the connection breaks
 //! after them, one byte short of the length announced), `reset=1` closes the connection
 //! without answering, `not_processed=1` marks the answer `x-postern-not-processed: 1` (a
 //! 503 so marked may be retried by the gateway). Every answer names the backend in
@@ -167,7 +167,8 @@ async fn handle(
         let chunk = Bytes::from(vec![b'x'; 64 * 1024]);
         let cut = query_param(&query, "cut") == Some("1");
         let cut = cut.then(|| Box::pin(tokio::time::sleep(Duration::from_millis(200))));
-        let mut resp = Response::new(Chunks { left: n, chunk, cut }.boxed());
+        let pace = Duration::from_millis(query_param(&query, "pace_ms").and_then(|v| v.parse().ok()).unwrap_or(0));
+        let mut resp = Response::new(Chunks { left: n, chunk, cut, pace, wait: None }.boxed());
         *resp.status_mut() = status;
         resp.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/octet-stream"));
         return Ok(resp);
@@ -207,6 +208,9 @@ struct Chunks {
     /// Break the stream after the bytes (one more was announced), once they had time to
     /// reach the client.
     cut: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Wait this long before each chunk after the first (`pace_ms=`).
+    pace: Duration,
+    wait: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl hyper::body::Body for Chunks {
@@ -224,6 +228,11 @@ impl hyper::body::Body for Chunks {
             }
             return std::task::Poll::Ready(None);
         }
+        if let Some(sleep) = self.wait.as_mut() {
+            std::task::ready!(sleep.as_mut().poll(cx));
+        }
+        let pace = self.pace;
+        self.wait = (!pace.is_zero()).then(|| Box::pin(tokio::time::sleep(pace)));
         let n = self.left.min(self.chunk.len() as u64) as usize;
         self.left -= n as u64;
         std::task::Poll::Ready(Some(Ok(Frame::data(self.chunk.slice(..n)))))
