@@ -46,6 +46,7 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
                 "ready": true,
                 "clusters": clusters,
                 "shed": gw.shed.state(),
+                "admission": gw.admission.state(),
                 "ratelimit": ratelimit,
                 "snapshot": {"version": live.version, "hash": live.hash, "routes": live.route_count},
                 "credentials": {"version": creds.version, "keys": keys, "signing_keys": signing_keys, "apps": apps, "deny": deny},
@@ -56,7 +57,7 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
         "/metrics" => {
             let mut out = gw.metrics.render();
             crate::metrics::render_upstreams(&mut out, &gw.live.load().upstreams);
-            crate::metrics::render_shed(&mut out, &gw.shed, &gw.live.load().upstreams);
+            crate::metrics::render_shed(&mut out, &gw.shed, &gw.admission, &gw.live.load().upstreams);
             crate::metrics::render_auth(&mut out, &gw.auth.stats);
             if let Some(s) = &gw.ratesync {
                 crate::metrics::render_ratesync(&mut out, s);

@@ -75,6 +75,9 @@ pub enum ProxyError {
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
+    /// The node is serving as many requests as its admission budget allows this pool.
+    #[error("the gateway is serving as many requests as it may; try again shortly")]
+    NodeOverloaded,
     /// The node or the route's cluster is overloaded and sheds this request's class.
     #[error("overloaded: {} requests are being shed; try again shortly", .0.as_str())]
     Shed(postern_model::Priority),
@@ -119,6 +122,7 @@ impl ProxyError {
             | ProxyError::ClientBodyBroken(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
             | ProxyError::Shed(_)
+            | ProxyError::NodeOverloaded
             | ProxyError::CircuitOpen(_)
             | ProxyError::NoEndpoint
             | ProxyError::ConnectTimeout(_)

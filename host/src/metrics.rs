@@ -493,7 +493,12 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
 
 /// Priority shedding: the node's CPU, each ramp's level and the requests each shed by
 /// class (series per signal, cluster and class: bounded by the platform's clusters).
-pub fn render_shed(out: &mut String, node: &crate::shedding::NodeShed, upstreams: &[Arc<crate::snapshot::Upstream>]) {
+pub fn render_shed(
+    out: &mut String,
+    node: &crate::shedding::NodeShed,
+    admission: &crate::shedding::Admission,
+    upstreams: &[Arc<crate::snapshot::Upstream>],
+) {
     let _ = writeln!(
         out,
         "# HELP postern_node_cpu_percent This process's CPU over the last second, in percent of its cores.\n# TYPE postern_node_cpu_percent gauge\npostern_node_cpu_percent {}",
@@ -511,6 +516,21 @@ pub fn render_shed(out: &mut String, node: &crate::shedding::NodeShed, upstreams
             escape(&u.name),
             u.shed.level()
         );
+    }
+    let pools = ["partner", "public"];
+    let _ = writeln!(
+        out,
+        "# HELP postern_admission_in_flight Requests being served, by pool (the node's admission budget).\n# TYPE postern_admission_in_flight gauge"
+    );
+    for (pool, (n, _)) in pools.iter().zip(admission.counts()) {
+        let _ = writeln!(out, "postern_admission_in_flight{{pool=\"{pool}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP postern_admission_refused_total Requests refused 503 node_overloaded: the pool's share of the budget was full.\n# TYPE postern_admission_refused_total counter"
+    );
+    for (pool, (_, n)) in pools.iter().zip(admission.counts()) {
+        let _ = writeln!(out, "postern_admission_refused_total{{pool=\"{pool}\"}} {n}");
     }
     let _ = writeln!(
         out,

@@ -50,6 +50,8 @@ pub struct Gateway {
     pub usage: Option<Arc<postern_usage::Usage>>,
     /// Priority shedding on the node's CPU.
     pub shed: crate::shedding::NodeShed,
+    /// The node's admission budget, with the partner pool's share.
+    pub admission: crate::shedding::Admission,
 }
 
 /// Facts about one client connection, computed once per connection.
@@ -157,8 +159,14 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
     let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO, backend: None };
-    let result = forward(&gw, &conn, &live, &mut ex, trace, req).await;
-    ex.finish(&gw, result)
+    let admitted = gw.admission.admit(conn.pool);
+    let result = match admitted {
+        Some(_) => forward(&gw, &conn, &live, &mut ex, trace, req).await,
+        None => Err(ProxyError::NodeOverloaded.into()),
+    };
+    let resp = ex.finish(&gw, result);
+    drop(admitted);
+    resp
 }
 
 impl Exchange<'_> {

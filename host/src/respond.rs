@@ -36,6 +36,8 @@ pub fn error(e: &ProxyError) -> Problem {
         }
         ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail)
             .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
+        ProxyError::NodeOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "node_overloaded", detail)
+            .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
         ProxyError::Shed(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "shed", detail)
             .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
         ProxyError::CircuitOpen(after) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "circuit_open", detail)

@@ -188,6 +188,14 @@ pub struct Args {
     /// overload).
     #[arg(long, default_value_t = 75)]
     pub shed_cpu: u32,
+    /// Requests the node serves at once, from arrival to the response head (its
+    /// admission budget; 0: none); past it, 503 node_overloaded.
+    #[arg(long, default_value_t = 20_000)]
+    pub max_in_flight: u32,
+    /// The percentage of `--max-in-flight` kept for the partner pool: the public pool
+    /// may hold only the rest.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub partner_share: u32,
 }
 
 /// A size: bytes, or a number with `KiB`, `MiB` or `GiB`.
@@ -830,6 +838,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         credentials_writer: std::sync::Mutex::new(()),
         usage,
         shed: crate::shedding::NodeShed::new(args.shed_cpu),
+        admission: crate::shedding::Admission::new(args.max_in_flight, args.partner_share),
     });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)

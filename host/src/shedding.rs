@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderName};
@@ -65,6 +65,82 @@ impl NodeShed {
     /// The last CPU reading, in percent.
     pub fn cpu_percent(&self) -> u32 {
         self.reading.load(Ordering::Relaxed)
+    }
+}
+
+/// The node's admission budget: requests being served at once (from arrival to the
+/// response head), with a share kept for the partner pool — the public pool may hold
+/// only the rest, so a public spike cannot starve partner requests on a node serving
+/// both.
+#[derive(Debug)]
+pub struct Admission {
+    max: u32,
+    public_max: u32,
+    total: AtomicU32,
+    public: AtomicU32,
+    refused: [AtomicU64; 2],
+}
+
+/// A request's place in the admission budget, given back on drop.
+#[derive(Debug)]
+pub struct Admitted<'a> {
+    admission: &'a Admission,
+    public: bool,
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.admission.total.fetch_sub(1, Ordering::Relaxed);
+        if self.public {
+            self.admission.public.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Admission {
+    /// At most `max` requests at once (0: no budget), of which the public pool may hold
+    /// all but `partner_share` percent.
+    pub fn new(max: u32, partner_share: u32) -> Admission {
+        let max = if max == 0 { u32::MAX } else { max };
+        let public_max = (u64::from(max) * u64::from(100u32.saturating_sub(partner_share.min(100))) / 100) as u32;
+        Admission { max, public_max, total: AtomicU32::new(0), public: AtomicU32::new(0), refused: Default::default() }
+    }
+
+    /// A place for a request of `pool`, or `None` (counted) when its share is full.
+    pub fn admit(&self, pool: postern_model::Pool) -> Option<Admitted<'_>> {
+        let public = pool == postern_model::Pool::Public;
+        if self.total.fetch_add(1, Ordering::Relaxed) >= self.max {
+            self.total.fetch_sub(1, Ordering::Relaxed);
+            self.refused[usize::from(public)].fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        if public && self.public.fetch_add(1, Ordering::Relaxed) >= self.public_max {
+            self.public.fetch_sub(1, Ordering::Relaxed);
+            self.total.fetch_sub(1, Ordering::Relaxed);
+            self.refused[1].fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Admitted { admission: self, public })
+    }
+
+    /// (in flight, refused) of the partner pool, then of the public pool.
+    pub fn counts(&self) -> [(u32, u64); 2] {
+        let total = self.total.load(Ordering::Relaxed);
+        let public = self.public.load(Ordering::Relaxed);
+        let refused = |i: usize| self.refused[i].load(Ordering::Relaxed);
+        [(total.saturating_sub(public), refused(0)), (public, refused(1))]
+    }
+
+    /// What `/readyz` shows.
+    pub fn state(&self) -> serde_json::Value {
+        let [(partner, partner_refused), (public, public_refused)] = self.counts();
+        let max = if self.max == u32::MAX { serde_json::Value::Null } else { self.max.into() };
+        serde_json::json!({
+            "max_in_flight": max,
+            "public_max_in_flight": if self.max == u32::MAX { serde_json::Value::Null } else { self.public_max.into() },
+            "in_flight": {"public": public, "partner": partner},
+            "refused": {"public": public_refused, "partner": partner_refused},
+        })
     }
 }
 
@@ -160,6 +236,23 @@ pub async fn run(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_public_pool_never_takes_the_partner_share() {
+        use postern_model::Pool;
+        let a = Admission::new(10, 40);
+        let public: Vec<_> = (0..10).filter_map(|_| a.admit(Pool::Public)).collect();
+        assert_eq!(public.len(), 6, "the public pool holds at most 60 %");
+        let partner: Vec<_> = (0..10).filter_map(|_| a.admit(Pool::Partner)).collect();
+        assert_eq!(partner.len(), 4, "the partner pool has the rest");
+        assert_eq!(a.counts(), [(4, 6), (6, 4)]);
+        drop(public);
+        assert_eq!(a.counts()[1].0, 0);
+        assert!(a.admit(Pool::Partner).is_some(), "the partner pool may use what the public pool left");
+        let open = Admission::new(0, 30);
+        let held: Vec<_> = (0..1000).filter_map(|_| open.admit(Pool::Public)).collect();
+        assert_eq!(held.len(), 1000, "no budget: everything is admitted");
+    }
 
     #[test]
     fn cpu_readings_are_a_share_of_the_cores() {

@@ -412,3 +412,43 @@ fn unknown_priority_classes_and_shedding_marks_out_of_range_are_refused_at_compi
     repo.write("teams/t/routes.yaml", &good_routes);
     repo.compile_ok(&repo.path().join("good.json"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_public_spike_cannot_take_the_partner_pools_share_of_the_node() {
+    // Ten requests at once, 40 % kept for the partner pool.
+    let w = world(&["--shed-cpu", "0", "--max-in-flight", "10", "--partner-share", "40"]);
+    let (node, keys) = (&w.node, &w.keys);
+    w.catalog.set_delay(500).await;
+    let spike: Vec<_> = (0..20)
+        .map(|_| {
+            let (url, key) = (node.url("/catalog"), keys["paid"].clone());
+            tokio::spawn(async move { get(&url, &[("x-api-key", &key)]).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let partner: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, key) = (node.partner_url("/catalog"), keys["partner"].clone());
+            tokio::spawn(async move { get(&url, &[("x-api-key", &key)]).await })
+        })
+        .collect();
+    let mut codes = BTreeMap::new();
+    for h in spike {
+        let r = h.await.unwrap();
+        let code = if r.status.is_success() { "ok".to_owned() } else { r.json()["code"].as_str().unwrap().to_owned() };
+        if code == "node_overloaded" {
+            assert_eq!(r.header("retry-after"), Some("1"));
+        }
+        *codes.entry(code).or_insert(0) += 1;
+    }
+    for h in partner {
+        let r = h.await.unwrap();
+        assert_eq!(r.status, http::StatusCode::OK, "partner requests keep their share: {:?}", r.body);
+    }
+    println!("public spike: {codes:?}");
+    assert_eq!(codes.get("ok"), Some(&6), "the public pool holds 60 % of ten: {codes:?}");
+    assert_eq!(codes.get("node_overloaded"), Some(&14), "{codes:?}");
+    let state = get(&node.admin_url("/readyz"), &[]).await.json();
+    assert_eq!(state["admission"]["refused"]["public"], 14, "{state}");
+    assert_eq!(state["admission"]["refused"]["partner"], 0, "{state}");
+}
