@@ -25,7 +25,7 @@ repo() { # dir endpoints
   printf 'routes:\n  - name: orders\n    public: true\n    match: { path: { type: PathPrefix, value: /v1/orders } }\n    backendRefs: [{ name: orders }]\n    timeouts: { connect: 1s, response: 5s }\n' > "$1/teams/bench/routes.yaml"
 }
 repo "$work/one" '"127.0.0.1:18080"'
-repo "$work/two" '"127.0.0.1:18080", "127.0.0.1:18080"'
+repo "$work/two" '"127.0.0.1:18080", "localhost:18080"'
 "$old/posternctl" compile "$work/one" -o "$work/old.json" >&2
 "$new/posternctl" compile "$work/one" -o "$work/one.json" >&2
 "$new/posternctl" compile "$work/two" -o "$work/two.json" >&2

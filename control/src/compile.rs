@@ -823,6 +823,10 @@ fn compile_route(
         body_total_ms: bound("bodyTotal", &r.timeouts.body_total, 3_600_000, cx)
             .map_or(postern_model::DEFAULT_BODY_TOTAL_MS, u64::from),
     };
+    if timeouts.body_total_ms <= timeouts.response_ms {
+        // Counted from the request's start, it would cut every answer that came late.
+        cx.error(file, format!("{field}.timeouts.bodyTotal"), "must be longer than timeouts.response", owner);
+    }
 
     let max_body_bytes = r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
     if max_body_bytes > MAX_BODY_LIMIT {

@@ -3,6 +3,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -36,12 +38,58 @@ pub struct LimitedBody {
     limit: u64,
     seen: u64,
     stall: Stall,
+    fate: Option<Arc<Fate>>,
+}
+
+/// How a client's body failed, kept where the gateway can read it after the exchange:
+/// an HTTP/2 client (hyper's) reports a body's failure only as a cancelled stream.
+#[derive(Debug, Default)]
+pub struct Fate(AtomicU8);
+
+impl Fate {
+    fn set(&self, e: &BodyError) {
+        let code = match e {
+            BodyError::TooLarge { .. } => 1,
+            BodyError::Client(_) => 2,
+            BodyError::Stalled => 3,
+        };
+        self.0.store(code, Ordering::Relaxed);
+    }
+
+    /// The failure, if the body failed: too large, broken by the client, or stalled.
+    pub fn get(&self) -> Option<FateKind> {
+        match self.0.load(Ordering::Relaxed) {
+            1 => Some(FateKind::TooLarge),
+            2 => Some(FateKind::Client),
+            3 => Some(FateKind::Stalled),
+            _ => None,
+        }
+    }
+}
+
+/// How a client's body failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FateKind {
+    /// Over the route's limit.
+    TooLarge,
+    /// The client's stream broke.
+    Client,
+    /// It stalled or ran over its total.
+    Stalled,
 }
 
 impl LimitedBody {
-    /// Wraps `inner` with a limit of `limit` bytes and the time bounds of `stall`.
-    pub fn new(inner: Incoming, limit: u64, stall: Stall) -> LimitedBody {
-        LimitedBody { inner, limit, seen: 0, stall }
+    /// Wraps `inner` with a limit of `limit` bytes and the time bounds of `stall`; its
+    /// failure is also written to `fate` when given.
+    pub fn new(inner: Incoming, limit: u64, stall: Stall, fate: Option<Arc<Fate>>) -> LimitedBody {
+        LimitedBody { inner, limit, seen: 0, stall, fate }
+    }
+
+    fn fail(&self, e: BodyError) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        if let Some(f) = &self.fate {
+            f.set(&e);
+        }
+        Poll::Ready(Some(Err(e)))
     }
 }
 
@@ -52,18 +100,18 @@ impl Body for LimitedBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending if this.stall.expired(cx).is_some() => Poll::Ready(Some(Err(BodyError::Stalled))),
-            Poll::Ready(Some(Ok(_))) if !this.stall.progress() => Poll::Ready(Some(Err(BodyError::Stalled))),
+            Poll::Pending if this.stall.expired(cx).is_some() => this.fail(BodyError::Stalled),
+            Poll::Ready(Some(Ok(_))) if !this.stall.progress() => this.fail(BodyError::Stalled),
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     this.seen = this.seen.saturating_add(data.len() as u64);
                     if this.seen > this.limit {
-                        return Poll::Ready(Some(Err(BodyError::TooLarge { limit: this.limit })));
+                        return this.fail(BodyError::TooLarge { limit: this.limit });
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(BodyError::Client(e)))),
+            Poll::Ready(Some(Err(e))) => this.fail(BodyError::Client(e)),
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }

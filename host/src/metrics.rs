@@ -83,7 +83,7 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 21] = [
+pub const PROBLEM_CODES: [&str; 22] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -99,6 +99,7 @@ pub const PROBLEM_CODES: [&str; 21] = [
     "upstream_overloaded",
     "circuit_open",
     "shed",
+    "node_overloaded",
     "filter_failed",
     "invalid_path",
     "misdirected_request",

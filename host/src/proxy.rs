@@ -358,7 +358,6 @@ async fn forward<'l>(
         }
     };
     let backend = upstream.ok_or(ProxyError::NoEndpoint)?;
-    ex.backend = backend.metrics.as_deref();
     let upstream = &*backend.upstream;
     // Shed by priority before the caller is charged a token or a filter runs.
     let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
@@ -373,6 +372,8 @@ async fn forward<'l>(
         .permit(|| class.unwrap_or_else(|| crate::shedding::class(route, live, cx, &parts.headers)))
         .ok_or(ProxyError::UpstreamOverloaded)?;
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
+    // Admitted to the backend: its answer (or failure) counts for it.
+    ex.backend = backend.metrics.as_deref();
 
     let pq = match &route.rewrite {
         None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
@@ -398,7 +399,10 @@ async fn forward<'l>(
 
     let body_idle = route.body_idle.unwrap_or(gw.body_idle);
     let body_until = ex.start + route.body_total;
-    let body = LimitedBody::new(body, route.max_body_bytes, Stall::new(body_idle, body_until));
+    // On HTTP/2 the client reports a failed upload only as a cancelled stream: the body
+    // keeps its own account of how it failed.
+    let fate = upstream.transport.http2.then(Arc::<crate::body::Fate>::default);
+    let body = LimitedBody::new(body, route.max_body_bytes, Stall::new(body_idle, body_until), fate.clone());
     let body = if route.buffer_body {
         // Small bodies on routes that opt in: read whole (the limit still counts every
         // byte), let filters see it, forward it with its exact length.
@@ -451,7 +455,7 @@ async fn forward<'l>(
         // The budget's base: what was first sent to a cluster a retry can go to.
         upstream.budget.request(sent);
     }
-    let mut result = exchange(route, backend, at, ticket, up, left).await;
+    let mut result = exchange(route, backend, at, ticket, up, left, fate.as_deref()).await;
     if let Some(r) = replay
         && retriable(&result)
     {
@@ -504,12 +508,18 @@ async fn exchange(
     ticket: postern_protect::Ticket,
     up: Request<UpstreamBody>,
     left: Duration,
+    fate: Option<&crate::body::Fate>,
 ) -> Result<Response<Incoming>, ProxyError> {
     let upstream = &*backend.upstream;
     let waiting = upstream.hosts.start(host);
+    let sent = Instant::now();
     let result = tokio::time::timeout(left, backend.client.request(up)).await;
     drop(waiting);
     let done = Instant::now();
+    if !matches!(result, Ok(Err(_))) {
+        // An answer, or none in time: how long the backend took (for the latency signal).
+        upstream.latency.observe(done.saturating_duration_since(sent));
+    }
     let record = |failed: bool| {
         upstream.breaker.record(ticket, failed, done);
         upstream.hosts.record(host, failed, done);
@@ -520,7 +530,12 @@ async fn exchange(
             Err(ProxyError::ResponseTimeout { timeout: route.response_timeout })
         }
         Ok(Err(e)) => {
-            let e = ProxyError::from_client(e, route.max_body_bytes);
+            let e = match fate.and_then(crate::body::Fate::get) {
+                Some(crate::body::FateKind::TooLarge) => ProxyError::BodyTooLarge { limit: route.max_body_bytes },
+                Some(crate::body::FateKind::Client) => ProxyError::ClientBodyBroken(e),
+                Some(crate::body::FateKind::Stalled) => ProxyError::BodyTimeout,
+                None => ProxyError::from_client(e, route.max_body_bytes),
+            };
             if e.origin() != crate::error::Origin::Downstream {
                 record(true);
             }
@@ -611,7 +626,7 @@ async fn retry(
     *up.headers_mut() = headers;
     drop(first);
     upstream.budget.sent();
-    exchange(route, backend, other_host, ticket, up, left).await
+    exchange(route, backend, other_host, ticket, up, left, None).await
 }
 
 /// The forwarding headers the backend is told: from the connection, or from a trusted

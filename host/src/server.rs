@@ -881,7 +881,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, hops.clone(), stop_rx.clone())),
         tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
-        tokio::spawn(crate::shedding::run(gw.clone(), stop_rx.clone())),
+        tokio::spawn(crate::shedding::run(gw.clone(), args.workers, stop_rx.clone())),
         tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];
 

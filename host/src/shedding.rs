@@ -2,11 +2,11 @@
 //! ([`postern_protect::Shedder`]).
 //!
 //! - The node's CPU: this process's CPU time over the last second, as a share of the
-//!   cores it may run on. Over the threshold (75 % by default), every route sheds.
+//!   cores it may run on (its workers, at most the machine's). Over the threshold (75 % by default), every route sheds.
 //! - Each cluster's own overload: its requests in flight at or over `shedAtPercent` of
-//!   its cap, a request its full cap refused, or a 503 from its backend marked
-//!   `x-postern-overloaded` (its own concurrency limiter fired). Only that cluster's
-//!   routes shed.
+//!   its cap, its answers far slower than its normal p99, a request its full cap
+//!   refused, or a 503 from its backend marked `x-postern-overloaded` (its own
+//!   concurrency limiter fired). Only that cluster's routes shed.
 //!
 //! A tick off the request path reads the signals and moves each ramp a step; a request
 //! reads two levels and, only when one is above zero, its class and one random draw.
@@ -102,7 +102,9 @@ impl Admission {
     /// all but `partner_share` percent.
     pub fn new(max: u32, partner_share: u32) -> Admission {
         let max = if max == 0 { u32::MAX } else { max };
-        let public_max = (u64::from(max) * u64::from(100u32.saturating_sub(partner_share.min(100))) / 100) as u32;
+        let public_share = u64::from(100u32.saturating_sub(partner_share.min(100)));
+        // At least one place for each pool that has a share.
+        let public_max = (u64::from(max) * public_share / 100).max(u64::from(public_share > 0)) as u32;
         Admission { max, public_max, total: AtomicU32::new(0), public: AtomicU32::new(0), refused: Default::default() }
     }
 
@@ -206,8 +208,10 @@ fn percent(from: (Instant, Duration), to: (Instant, Duration), cores: u32) -> u3
 }
 
 /// Reads the signals every [`TICK`] and moves the ramps, until `stop`.
-pub async fn run(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
-    let cores = std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX));
+pub async fn run(gw: Arc<Gateway>, workers: Option<usize>, mut stop: watch::Receiver<bool>) {
+    // The cores the node may use: its workers, at most the machine's.
+    let available = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let cores = u32::try_from(workers.unwrap_or(available).clamp(1, available)).unwrap_or(u32::MAX);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut samples: VecDeque<(Instant, Duration)> = VecDeque::with_capacity(CPU_TICKS + 1);

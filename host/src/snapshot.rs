@@ -60,6 +60,8 @@ pub struct Upstream {
     pub budget: Arc<postern_protect::RetryBudget>,
     /// The cluster's priority shedding on this node, kept across snapshots.
     pub shed: Arc<postern_protect::Shedder>,
+    /// How long its backend takes, against its normal, kept across snapshots.
+    pub latency: Arc<postern_protect::Latency>,
     /// Requests in flight at which the cluster counts as overloaded.
     shed_at: u32,
     /// Requests in flight from which the lower classes may not take every place.
@@ -94,9 +96,12 @@ impl Upstream {
     }
 
     /// Whether the cluster is overloaded now: its requests in flight at the shedding
-    /// mark (a full cap, or a backend's overload answer, strain its shedder directly).
+    /// mark, or its answers since the last tick far slower than its normal (a full cap,
+    /// or a backend's overload answer, strain its shedder directly). Called once per
+    /// shedding tick.
     pub fn overloaded(&self) -> bool {
-        self.in_flight() >= self.shed_at
+        let slow = self.latency.tick();
+        slow || self.in_flight() >= self.shed_at
     }
 
     /// Requests in flight to the cluster now.
@@ -113,6 +118,8 @@ impl Upstream {
             breaker["probing_in_ms"] = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).into();
         }
         let (requests, retries) = self.budget.counts(now);
+        let (normal, last) = self.latency.p99s();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let hosts: Vec<serde_json::Value> = (0..self.endpoints.len())
             .filter_map(|i| {
                 let h = self.hosts.state(i, now)?;
@@ -133,6 +140,7 @@ impl Upstream {
             "breaker": breaker,
             "retry_budget": {"requests": requests, "retries": retries, "retried": self.budget.retried(), "denied": self.budget.denied()},
             "shed": {"at_in_flight": self.shed_at, "level": self.shed.level(), "shed": crate::shedding::classes(&self.shed.shed())},
+            "latency": {"normal_p99_ms": ms(normal), "last_p99_ms": ms(last)},
         })
     }
 
@@ -372,6 +380,7 @@ struct Guards {
     breaker: Arc<postern_protect::Breaker>,
     budget: Arc<postern_protect::RetryBudget>,
     shed: Arc<postern_protect::Shedder>,
+    latency: Arc<postern_protect::Latency>,
     /// The endpoint list the hosts' state belongs to.
     endpoints: Vec<String>,
     hosts: Arc<postern_protect::Hosts>,
@@ -566,6 +575,7 @@ impl Builder {
                     _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
                 },
                 shed: kept.map_or_else(Arc::default, |g| g.shed.clone()),
+                latency: kept.map_or_else(Arc::default, |g| g.latency.clone()),
                 hosts: match kept {
                     Some(g) if g.endpoints == c.endpoints && *g.hosts.config() == eject => g.hosts.clone(),
                     _ => Arc::new(postern_protect::Hosts::new(endpoints.len(), slots, eject, now)),
@@ -584,6 +594,7 @@ impl Builder {
                     breaker: guards.breaker.clone(),
                     budget: guards.budget.clone(),
                     shed: guards.shed.clone(),
+                    latency: guards.latency.clone(),
                     shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
                     reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
                     scheme: if c.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP },
@@ -664,8 +675,10 @@ impl Builder {
                 buckets: bucket_table(&weights),
                 split_header,
                 response_timeout: Duration::from_millis(r.timeouts.response_ms),
-                body_idle: r.timeouts.body_idle_ms.map(Duration::from_millis),
-                body_total: Duration::from_millis(r.timeouts.body_total_ms),
+                // Within the compiler's ranges whatever the file says (a deadline far
+                // off would overflow the clock).
+                body_idle: r.timeouts.body_idle_ms.map(|ms| Duration::from_millis(ms.min(300_000))),
+                body_total: Duration::from_millis(r.timeouts.body_total_ms.min(3_600_000)),
                 max_body_bytes: r.max_body_bytes,
                 buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
                 product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),

@@ -19,7 +19,7 @@ const ROUTES: &str = "routes:
     public: true
     match: { path: { value: /total } }
     backendRefs: [{ name: e }]
-    timeouts: { connect: 1s, response: 2s, bodyIdle: 5s, bodyTotal: 2s }
+    timeouts: { connect: 1s, response: 1s, bodyIdle: 5s, bodyTotal: 2s }
 ";
 
 /// Fetches `path` and returns (bytes received, whether the body ended in an error, time).
@@ -81,4 +81,9 @@ async fn bodies_that_stall_or_drag_are_cut_by_the_routes_bounds() {
     let out = repo.compile(&repo.path().join("bad.json"));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("routes[1].timeouts.bodyTotal"), "{stderr}");
+    // A total no longer than the wait for the answer's head would cut every late answer.
+    repo.write("teams/t/routes.yaml", &ROUTES.replace("response: 1s, bodyIdle: 5s", "response: 3s, bodyIdle: 5s"));
+    let out = repo.compile(&repo.path().join("bad.json"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("routes[1].timeouts.bodyTotal") && stderr.contains("longer than"), "{stderr}");
 }

@@ -151,9 +151,11 @@ fn retry_repo(a: &Echo, b: &Echo, dead: u16) -> (Repo, std::path::PathBuf) {
   pair:
     endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
     outlier: {{ maxEjectedPercent: 0 }}
+    retryBudget: {{ minRetries: 1000 }}
   two:
     endpoints: [\"{a}\", \"{b}\"]
     outlier: {{ maxEjectedPercent: 0 }}
+    retryBudget: {{ minRetries: 1000 }}
   tight:
     endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
     retryBudget: {{ percent: 0, minRetries: 3 }}

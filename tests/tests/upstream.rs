@@ -68,6 +68,7 @@ const ROUTES: &str = "routes:
     match: { path: { value: /h2c } }
     backendRefs: [{ name: plain-h2 }]
     timeouts: { connect: 1s, response: 2s }
+    maxBodyBytes: 1000
 ";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,6 +123,15 @@ async fn backends_get_http2_and_the_gateways_client_certificate_over_tls() {
     // h2c with prior knowledge to a plain backend.
     let r = get(&node.url("/h2c"), &[]).await;
     assert_eq!(r.json()["version"], "HTTP/2.0", "{:?}", r.body);
+    // A chunked upload over the route's limit is the caller's fault on HTTP/2 too: 413,
+    // and nothing recorded against the backend.
+    let mut req = b"POST /h2c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n7d0\r\n".to_vec();
+    req.extend(std::iter::repeat_n(b'x', 2000));
+    req.extend(b"\r\n0\r\n\r\n");
+    let answer = postern_e2e::raw(node.public, &req, std::time::Duration::from_secs(3)).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    let state = get(&node.admin_url("/readyz"), &[]).await.json();
+    assert_eq!(state["clusters"]["plain-h2"]["hosts"][0]["ejections"], 0, "{state}");
     drop(node);
 
     // A node without the client certificate: the backend refuses the handshake.

@@ -125,8 +125,12 @@ impl Hosts {
             }
             (true, false) => a,
             (false, true) => b,
-            // Both out: the next slot that is in (at least half the hosts are).
-            (false, false) => (1..n).map(|k| slot(draws[0].wrapping_add(k as u32))).find(|&i| self.is_in(i, ms))?,
+            // Both out: the next slot that is in; were none (hosts ejected at the same
+            // moment), the first draw after all — ejection never leaves a cluster empty.
+            (false, false) => {
+                let start = draws[0] as usize % n;
+                (1..n).map(|k| usize::from(self.slots[(start + k) % n])).find(|&i| self.is_in(i, ms)).unwrap_or(a)
+            }
         };
         Some(chosen)
     }
@@ -155,26 +159,34 @@ impl Hosts {
             }
             return false;
         }
+        let ms = self.ms(now);
+        let until = h.until.load(Ordering::Relaxed);
+        if until > ms {
+            // Out already: what was in flight when it went says nothing new.
+            return false;
+        }
         if h.fails.fetch_add(1, Ordering::Relaxed) + 1 < self.config.consecutive {
             return false;
         }
-        let ms = self.ms(now);
-        if !self.is_in(i, ms) {
-            return false;
-        }
-        let out = (0..self.hosts.len()).filter(|&k| !self.is_in(k, ms)).count();
-        if (out + 1) * 100 > self.hosts.len() * usize::from(self.config.max_percent) {
+        // Within the share, and never the last host in.
+        let n = self.hosts.len();
+        let out = (0..n).filter(|&k| !self.is_in(k, ms)).count();
+        if out + 1 >= n || (out + 1) * 100 > n * usize::from(self.config.max_percent) {
             return false;
         }
         let max = u64::try_from(self.config.max.as_millis()).unwrap_or(u64::MAX);
         let base = u64::try_from(self.config.base.as_millis()).unwrap_or(u64::MAX);
         // In for longer than the longest ejection since the last: the back-off starts anew.
-        if ms > h.until.load(Ordering::Relaxed).saturating_add(max) {
-            h.times.store(0, Ordering::Relaxed);
-        }
-        let times = h.times.fetch_add(1, Ordering::Relaxed) + 1;
+        let times = if ms > until.saturating_add(max) { 1 } else { h.times.load(Ordering::Relaxed) + 1 };
         let length = base.saturating_mul(u64::from(times)).min(max);
-        h.until.store(ms.saturating_add(length).max(1), Ordering::Relaxed);
+        // One failure of many at once ejects it (the others find it out).
+        if h.until
+            .compare_exchange(until, ms.saturating_add(length).max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        h.times.store(times, Ordering::Relaxed);
         h.fails.store(0, Ordering::Relaxed);
         h.ejections.fetch_add(1, Ordering::Relaxed);
         true
@@ -232,6 +244,9 @@ mod tests {
             assert!(!h.record(0, true, at(0)), "the success started the count again");
         }
         assert!(h.record(0, true, at(0)), "the fifth in a row ejects");
+        for _ in 0..20 {
+            assert!(!h.record(0, true, at(1)), "failures of requests sent before it went out count for nothing");
+        }
         assert_eq!(h.state(0, at(10)).unwrap().ejected_for, Some(Duration::from_secs(20)));
         // While out it is never picked, not even when both draws name it.
         assert_eq!(h.pick(at(10), [0, 0]), Some(1));
@@ -260,6 +275,10 @@ mod tests {
         let (one, o) = hosts(1);
         assert!(!(0..50).any(|_| one.record(0, true, o)), "a lone host is never ejected");
         assert_eq!(one.pick(o, [7, 9]), Some(0));
+        // Even where every host may go, the last one in stays.
+        let all = Hosts::new(2, vec![0, 1], EjectConfig { max_percent: 100, ..EjectConfig::default() }, o);
+        assert!((0..5).fold(false, |e, _| all.record(0, true, o) || e));
+        assert!(!(0..50).any(|_| all.record(1, true, o)), "the last host in stays in");
     }
 
     #[test]
