@@ -389,7 +389,14 @@ async fn forward<'l>(
 
     let h = &mut parts.headers;
     h.insert(X_FORWARDED_HOST, host.clone());
-    h.insert(HOST, host);
+    if upstream.transport.http2 {
+        // On HTTP/2 the authority travels as `:authority` (the endpoint); a `Host` beside
+        // it that differs is refused by some servers. The routed host is in
+        // `X-Forwarded-Host`.
+        h.remove(HOST);
+    } else {
+        h.insert(HOST, host);
+    }
     set_forwarding(h, conn, hop.as_ref());
     let tp = headers::traceparent(h.get(TRACEPARENT), trace);
     h.insert(TRACEPARENT, tp);

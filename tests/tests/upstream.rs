@@ -106,6 +106,8 @@ async fn backends_get_http2_and_the_gateways_client_certificate_over_tls() {
     assert_eq!(j["client_cert_cn"], "postern-gateway", "{j}");
     assert_eq!(r.echoed("x-auth-plan").as_deref(), Some("gold"), "{j}");
     assert_eq!(r.echoed("x-auth-tenant").as_deref(), Some("acme"), "{j}");
+    // On HTTP/2 the routed host travels in X-Forwarded-Host, with no Host beside :authority.
+    assert!(r.echoed("x-forwarded-host").is_some() && r.echoed("host").is_none(), "{j}");
     // Many requests at once share the HTTP/2 connection.
     let many: Vec<_> = (0..50)
         .map(|_| {
