@@ -2,7 +2,9 @@
 //! ([`postern_protect::Shedder`]).
 //!
 //! - The node's CPU: this process's CPU time over the last second, as a share of the
-//!   cores it may run on (its workers, at most the machine's). Over the threshold (75 % by default), every route sheds.
+//!   cores it may run on (its workers, at most the machine's). Over the threshold (75 %
+//!   by default), every route sheds its sheddable and then its free requests (never
+//!   standard or critical ones).
 //! - Each cluster's own overload: its requests in flight at or over `shedAtPercent` of
 //!   its cap, its answers far slower than its normal p99, a request its full cap
 //!   refused, or a 503 from its backend marked `x-postern-overloaded` (its own
@@ -48,7 +50,11 @@ pub struct NodeShed {
 impl NodeShed {
     /// A node that sheds once its CPU is at `threshold` percent (0: never on CPU).
     pub fn new(threshold: u32) -> NodeShed {
-        NodeShed { cpu: Shedder::new(Ramp::default()), threshold, reading: AtomicU32::new(0) }
+        // The CPU alone sheds sheddable and free requests, never standard or critical
+        // ones: a busy node that keeps up is not a reason to refuse paid traffic (a
+        // cluster's own overload may go further).
+        let ramp = Ramp { max: 200, ..Ramp::default() };
+        NodeShed { cpu: Shedder::new(ramp), threshold, reading: AtomicU32::new(0) }
     }
 
     /// What `/readyz` shows.

@@ -25,13 +25,15 @@ pub struct Ramp {
     pub up: u32,
     /// Taken off per tick once it is not.
     pub down: u32,
+    /// The highest level this signal may reach ([`FULL`]: every class).
+    pub max: u32,
 }
 
 impl Default for Ramp {
     /// At a 250 ms tick: a class is shed whole after 2.5 s of overload, and let back in
     /// over 5 s.
     fn default() -> Ramp {
-        Ramp { up: 10, down: 5 }
+        Ramp { up: 10, down: 5, max: FULL }
     }
 }
 
@@ -70,7 +72,7 @@ impl Shedder {
     pub fn adjust(&self, over: bool) -> u32 {
         let over = self.strained.swap(false, Ordering::Relaxed) || over;
         let level = self.level();
-        let next = if over { (level + self.ramp.up).min(FULL) } else { level.saturating_sub(self.ramp.down) };
+        let next = if over { (level + self.ramp.up).min(self.ramp.max) } else { level.saturating_sub(self.ramp.down) };
         self.level.store(next, Ordering::Relaxed);
         next
     }
@@ -116,7 +118,7 @@ mod tests {
 
     #[test]
     fn the_ramp_sheds_lowest_class_first_in_steps() {
-        let s = Shedder::new(Ramp { up: 25, down: 10 });
+        let s = Shedder::new(Ramp { up: 25, down: 10, max: FULL });
         assert_eq!([through(&s, SHEDDABLE), through(&s, CRITICAL)], [100, 100], "idle: nothing shed");
         let mut seen = Vec::new();
         for _ in 0..16 {
@@ -144,7 +146,7 @@ mod tests {
 
     #[test]
     fn it_eases_off_more_slowly_than_it_began() {
-        let s = Shedder::new(Ramp { up: 20, down: 5 });
+        let s = Shedder::new(Ramp { up: 20, down: 5, max: FULL });
         for _ in 0..10 {
             s.adjust(true);
         }
@@ -161,8 +163,18 @@ mod tests {
     }
 
     #[test]
+    fn a_ramp_stops_at_its_max() {
+        let s = Shedder::new(Ramp { up: 50, down: 5, max: 200 });
+        for _ in 0..20 {
+            s.adjust(true);
+        }
+        assert_eq!(s.level(), 200);
+        assert_eq!([through(&s, FREE), through(&s, STANDARD), through(&s, CRITICAL)], [0, 100, 100]);
+    }
+
+    #[test]
     fn a_strain_counts_as_over_for_one_tick() {
-        let s = Shedder::new(Ramp { up: 10, down: 10 });
+        let s = Shedder::new(Ramp { up: 10, down: 10, max: FULL });
         s.strain();
         s.strain();
         assert_eq!(s.adjust(false), 10);
