@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use postern_model::path::PathPolicy;
+use postern_model::validate::{JsonLimits, MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS, ParamIn, Validation};
 use postern_model::{
     AuthMethod, Cluster, DEFAULT_MAX_BODY_BYTES, Deprecation, FilterSpec, MAX_TIMEOUT_MS, PathMatchKind, PathRewrite,
     Plan, Pool, Priority, Route, RouteAuth, SCHEMA_VERSION, Snapshot, Timeouts, VersionMatch, WeightedBackend,
@@ -15,7 +16,11 @@ use postern_model::{
 use postern_router::{PathKind, RouteError, RouteSpec, RouterBuilder};
 use serde::de::DeserializeOwned;
 
-use crate::config::{AuthMethodDoc, ClustersDoc, OwnershipDoc, PathType, PlansDoc, RouteDoc, RoutesDoc};
+use crate::config::{
+    AuthMethodDoc, ClustersDoc, CompressDoc, JsonLimitsDoc, OwnershipDoc, PathType, PlansDoc, RouteDoc, RoutesDoc,
+    ValidateDoc,
+};
+use crate::openapi::{Spec, SpecError};
 
 /// Largest request body limit a route may declare (1 GiB).
 pub const MAX_BODY_LIMIT: u64 = 1 << 30;
@@ -77,6 +82,11 @@ struct Ctx {
     plans: PlansDoc,
     /// `platform/gateway.yaml`'s path policy.
     paths: PathPolicy,
+    /// OpenAPI documents by path, each loaded once (`None`: refused, already reported).
+    specs: HashMap<PathBuf, Option<Arc<Spec>>>,
+    /// Errors in OpenAPI documents already reported (file, pointer, message): routes
+    /// sharing a document report each once.
+    spec_errors: HashSet<(PathBuf, String, String)>,
 }
 
 /// A compiled repository: the snapshot and the filter modules it references.
@@ -417,6 +427,8 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         sampled: HashSet::new(),
         plans: PlansDoc::default(),
         paths: PathPolicy::default(),
+        specs: HashMap::new(),
+        spec_errors: HashSet::new(),
     };
     let gateway_path = root.join("platform/gateway.yaml");
     let mut never_canary = postern_model::NeverCanary::default();
@@ -835,6 +847,25 @@ fn compile_route(
     if r.buffer_body && max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
         cx.error(file, format!("{field}.bufferBody"), "a buffered body needs maxBodyBytes of at most 1 MiB", owner);
     }
+    let at = RouteAt { file, field, team, methods: &methods, path: &path, max_body_bytes };
+    let compress = match &r.compress {
+        None | Some(CompressDoc::On(false)) => None,
+        Some(CompressDoc::On(true)) => {
+            Some(postern_model::Compress { min_bytes: postern_model::DEFAULT_COMPRESS_MIN_BYTES })
+        }
+        Some(CompressDoc::With(o)) => {
+            let min_bytes = o.min_bytes.unwrap_or(postern_model::DEFAULT_COMPRESS_MIN_BYTES);
+            if min_bytes > 1 << 20 {
+                cx.error(file, format!("{field}.compress.minBytes"), "is 0 to 1 MiB", owner);
+            }
+            Some(postern_model::Compress { min_bytes })
+        }
+    };
+    let validate = r.validate.as_ref().map(|v| route_validation(cx, &at, v));
+    let refused = validate.as_ref().is_some_and(Option::is_none);
+    let validate = validate.flatten();
+    // A validated body is read whole before the request goes on.
+    let buffer_body = r.buffer_body || validate.as_ref().is_some_and(|v| v.body.is_some());
 
     let rewrite = match &r.rewrite {
         None => None,
@@ -919,7 +950,7 @@ fn compile_route(
 
     let retry = compile_retry(cx, file, field, &r.retry, owner);
     let priority = r.priority.as_deref().and_then(|p| priority(cx, file, format!("{field}.priority"), p, owner));
-    if cx.diags.len() != before {
+    if refused || cx.diags.len() != before {
         return None;
     }
     Some(Route {
@@ -942,12 +973,147 @@ fn compile_route(
         filters,
         deprecation,
         public: r.public,
-        buffer_body: r.buffer_body,
+        buffer_body,
         auth,
         rate_limit,
         retry,
         priority,
+        validate,
+        compress,
     })
+}
+
+/// The route a `validate:` belongs to.
+struct RouteAt<'a> {
+    file: &'a Path,
+    field: &'a str,
+    team: &'a str,
+    methods: &'a [String],
+    path: &'a str,
+    max_body_bytes: u64,
+}
+
+/// A route's `validate:`: its team's OpenAPI operation (each document loaded once per
+/// compile) as the model's validation, checked against the route. `None` once refused
+/// (the errors are reported; a document's own at its file and JSON pointer).
+fn route_validation(cx: &mut Ctx, route: &RouteAt<'_>, doc: &ValidateDoc) -> Option<Validation> {
+    let RouteAt { file, field, team, .. } = *route;
+    let owner = Some(team);
+    let at = |sub: &str| format!("{field}.validate{sub}");
+    let limits = json_limits(cx, file, &at(".json"), doc.json.as_ref(), owner)?;
+    let name = doc.openapi.as_str();
+    let extension = Path::new(name).extension().and_then(|x| x.to_str());
+    if name.contains(['/', '\\']) || name.contains("..") || !matches!(extension, Some("yaml" | "yml" | "json")) {
+        let msg = format!("{name:?} is not a .yaml, .yml or .json file name in teams/{team}/openapi/");
+        cx.error(file, at(".openapi"), msg, owner);
+        return None;
+    }
+    let rel = format!("teams/{team}/openapi/{name}");
+    let spec_path = cx.root.join(&rel);
+    let spec = match cx.specs.get(&spec_path) {
+        Some(cached) => cached.clone()?,
+        None if !spec_path.is_file() => {
+            cx.error(file, at(".openapi"), format!("no OpenAPI document {rel}"), owner);
+            return None;
+        }
+        None => {
+            let loaded = match Spec::load(&spec_path) {
+                Ok(spec) => Some(Arc::new(spec)),
+                Err(e) => {
+                    spec_error(cx, &spec_path, e, owner);
+                    None
+                }
+            };
+            cx.specs.insert(spec_path.clone(), loaded.clone());
+            loaded?
+        }
+    };
+    let id = doc.operation_id.as_str();
+    let op = match spec.operation(id, limits, &format!("{rel}#{id}")) {
+        Ok(op) => op,
+        Err(errors) => {
+            for e in errors {
+                if e.pointer == crate::openapi::OPERATIONS_POINTER {
+                    cx.error(file, at(".operationId"), format!("{rel}: {}", e.message), owner);
+                } else {
+                    spec_error(cx, &spec_path, e, owner);
+                }
+            }
+            return None;
+        }
+    };
+    let before = cx.diags.len();
+    let params: HashSet<&str> =
+        segments(route.path).into_iter().filter_map(|s| s.strip_prefix('{')?.strip_suffix('}')).collect();
+    for p in op.validation.parameters.iter().filter(|p| p.location == ParamIn::Path) {
+        if !params.contains(p.name.as_str()) {
+            let msg = format!(
+                "path parameter {:?} of {rel}#{id} is not a {{{}}} segment of the route's path {}",
+                p.name, p.name, route.path
+            );
+            cx.error(file, at(""), msg, owner);
+        }
+    }
+    if !route.methods.is_empty() && !route.methods.iter().any(|m| m.eq_ignore_ascii_case(&op.method)) {
+        let msg = format!(
+            "operation {id} is {} {}, but the route matches only {}",
+            op.method,
+            op.path,
+            route.methods.join(", ")
+        );
+        cx.error(file, at(""), msg, owner);
+    }
+    if op.validation.body.is_some() && route.max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
+        cx.error(file, at(""), "validating a body needs maxBodyBytes of at most 1 MiB", owner);
+    }
+    if cx.diags.len() != before {
+        return None;
+    }
+    // The node's own validators, built now: a schema it could not compile (a pattern
+    // the linear-time engine refuses, a bad keyword value) is refused here, at its
+    // place in the spec.
+    if let Err(e) = postern_validate::Validator::build(&op.validation, route.path) {
+        let pointer = match e.pointer.strip_prefix('#') {
+            Some(in_spec) => in_spec.to_owned(),
+            None => format!("#{id} {}{}", e.what, e.pointer),
+        };
+        let msg = format!("{}: {}", e.what, e.message);
+        if cx.spec_errors.insert((spec_path.clone(), pointer.clone(), msg.clone())) {
+            cx.error(&spec_path, pointer, msg, owner);
+        }
+        return None;
+    }
+    Some(op.validation)
+}
+
+/// An error in an OpenAPI document, at its file and JSON pointer; once per compile.
+fn spec_error(cx: &mut Ctx, spec_path: &Path, e: SpecError, owner: Option<&str>) {
+    if cx.spec_errors.insert((spec_path.to_path_buf(), e.pointer.clone(), e.message.clone())) {
+        cx.error(spec_path, e.pointer, e.message, owner);
+    }
+}
+
+/// `validate.json:`, each field within its platform bound (errors name `field.<name>`).
+fn json_limits(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    doc: Option<&JsonLimitsDoc>,
+    owner: Option<&str>,
+) -> Option<JsonLimits> {
+    let mut limits = JsonLimits::default();
+    let Some(doc) = doc else { return Some(limits) };
+    let before = cx.diags.len();
+    for (name, v, max, slot) in [
+        ("maxDepth", doc.max_depth, MAX_JSON_DEPTH, &mut limits.max_depth),
+        ("maxStringBytes", doc.max_string_bytes, 1 << 20, &mut limits.max_string_bytes),
+        ("maxNumberChars", doc.max_number_chars, MAX_JSON_NUMBER_CHARS, &mut limits.max_number_chars),
+    ] {
+        if let Some(v) = v.and_then(|v| ranged(cx, file, format!("{field}.{name}"), v, (1, max), owner)) {
+            *slot = v;
+        }
+    }
+    (cx.diags.len() == before).then_some(limits)
 }
 
 /// A route is either explicitly public or authenticated, with scopes and a product the
@@ -1515,6 +1681,130 @@ mod tests {
         let two = one.replace("routes:\n", "").replace("/t/a", "/t/b");
         let e = error_of(&format!("{one}{two}"));
         assert!(e.contains("routes[1].name: route t/r is already defined at teams/t/routes.yaml: routes[0]"), "{e}");
+    }
+
+    const ORDERS_SPEC: &str = "openapi: 3.0.3\npaths:\n  /orders/{id}:\n    post:\n      operationId: createOrder\n      parameters:\n        - { name: id, in: path, required: true, schema: { type: integer } }\n      requestBody:\n        required: true\n        content:\n          application/json:\n            schema: { $ref: '#/components/schemas/Order' }\ncomponents:\n  schemas:\n    Order: { type: object, required: [qty], properties: { qty: { type: integer, minimum: 1 } } }\n";
+
+    /// Compiles [`repo_t`] with `spec` as `teams/t/openapi/orders.yaml`.
+    fn compile_spec(routes: &str, spec: &str) -> Result<Snapshot, Vec<String>> {
+        let dir = repo_t(routes);
+        write(dir.path(), "teams/t/openapi/orders.yaml", spec);
+        compile(dir.path()).map(|c| c.snapshot).map_err(|r| r.0.iter().map(ToString::to_string).collect())
+    }
+
+    /// A route on `POST /t/orders/{id}` with `validate: <validate>` and `extra` lines.
+    fn validated(validate: &str, extra: &str) -> String {
+        route(&format!(
+            "    match: {{ path: {{ type: Exact, value: \"/t/orders/{{id}}\" }}, methods: [POST] }}\n    validate: {validate}\n{extra}"
+        ))
+    }
+
+    #[test]
+    fn a_validated_route_carries_its_operation_and_buffers_its_body() {
+        use postern_model::validate::{Media, ParamShape, Parameter, RequestBody, Scalar};
+        use serde_json::json;
+        let routes = validated("{ openapi: orders.yaml, operationId: createOrder, json: { maxDepth: 8 } }", "");
+        let s = compile_spec(&routes, ORDERS_SPEC).unwrap();
+        let dialect = crate::openapi::SCHEMA_DIALECT;
+        let want = Validation {
+            source: "teams/t/openapi/orders.yaml#createOrder".into(),
+            parameters: vec![Parameter {
+                name: "id".into(),
+                location: ParamIn::Path,
+                required: true,
+                shape: ParamShape::Scalar { of: Scalar::Integer },
+                schema: json!({ "$schema": dialect, "type": "integer" }),
+            }],
+            body: Some(RequestBody {
+                required: true,
+                media: vec![Media {
+                    range: "application/json".into(),
+                    schema: Some(json!({
+                        "$schema": dialect,
+                        "$ref": "#/$defs/~1components~1schemas~1Order",
+                        "$defs": { "/components/schemas/Order": { "type": "object", "required": ["qty"],
+                            "properties": { "qty": { "type": "integer", "minimum": 1 } } } },
+                    })),
+                }],
+            }),
+            json: JsonLimits { max_depth: 8, ..JsonLimits::default() },
+        };
+        assert_eq!(s.routes[0].validate, Some(want));
+        assert!(s.routes[0].buffer_body);
+    }
+
+    #[test]
+    fn validate_is_checked_against_its_document_and_the_route() {
+        let e = |validate: &str, extra: &str| compile_spec(&validated(validate, extra), ORDERS_SPEC).unwrap_err();
+        assert_eq!(
+            e("{ openapi: orders.yaml, operationId: create }", ""),
+            vec![
+                "teams/t/routes.yaml: routes[0].validate.operationId: teams/t/openapi/orders.yaml: no operation has operationId \"create\" (known: createOrder) (owner: t)"
+            ]
+        );
+        let e1 = e("{ openapi: ../u/openapi/orders.yaml, operationId: createOrder }", "");
+        assert!(e1[0].contains("routes[0].validate.openapi: \"../u/openapi/orders.yaml\" is not a .yaml"), "{e1:?}");
+        let e1 = e("{ openapi: other.yaml, operationId: createOrder }", "");
+        assert!(e1[0].contains("routes[0].validate.openapi: no OpenAPI document teams/t/openapi/other.yaml"), "{e1:?}");
+        let e1 = e("{ openapi: orders.yaml, operationId: createOrder, json: { maxDepth: 0 } }", "");
+        assert!(e1[0].contains("routes[0].validate.json.maxDepth: 0 is out of range (1 to 128)"), "{e1:?}");
+        let e1 = e("{ openapi: orders.yaml, operationId: createOrder }", "    maxBodyBytes: 2000000\n");
+        assert!(e1[0].contains("routes[0].validate: validating a body needs maxBodyBytes of at most 1 MiB"), "{e1:?}");
+        let routes = validated("{ openapi: orders.yaml, operationId: createOrder }", "")
+            .replace("{id}", "{key}")
+            .replace("methods: [POST]", "methods: [GET]");
+        let e1 = compile_spec(&routes, ORDERS_SPEC).unwrap_err();
+        assert_eq!(e1.len(), 2, "{e1:?}");
+        assert!(e1[0].contains("routes[0].validate: path parameter \"id\" of teams/t/openapi/orders.yaml#createOrder is not a {id} segment of the route's path /t/orders/{key}"), "{e1:?}");
+        assert!(
+            e1[1].contains(
+                "routes[0].validate: operation createOrder is POST /orders/{id}, but the route matches only GET"
+            ),
+            "{e1:?}"
+        );
+    }
+
+    #[test]
+    fn errors_in_a_document_name_its_file_and_pointer_once() {
+        let spec = ORDERS_SPEC.replace("minimum: 1", "$ref: 'common.yaml#/Qty'");
+        let one = validated("{ openapi: orders.yaml, operationId: createOrder }", "");
+        let two = one.replace("routes:\n", "").replace("name: r", "name: r2").replace("/t/orders/", "/t/orders2/");
+        assert_eq!(
+            compile_spec(&format!("{one}{two}"), &spec).unwrap_err(),
+            vec![
+                "teams/t/openapi/orders.yaml: /components/schemas/Order/properties/qty/$ref: remote $ref is refused: common.yaml#/Qty (owner: t)"
+            ]
+        );
+        let e = compile_spec(&one, "openapi: 3.0.3\npaths: [\n").unwrap_err();
+        assert!(e.len() == 1 && e[0].starts_with("teams/t/openapi/orders.yaml: "), "{e:?}");
+    }
+
+    #[test]
+    fn a_schema_the_node_cannot_build_is_named_in_the_spec() {
+        // Look-behind is not in the linear-time engine the node runs patterns with.
+        let spec = ORDERS_SPEC.replace("minimum: 1", "pattern: '(?<=a)b'");
+        let one = validated("{ openapi: orders.yaml, operationId: createOrder }", "");
+        let e = compile_spec(&one, &spec).unwrap_err();
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(
+            e[0].starts_with(
+                "teams/t/openapi/orders.yaml: /components/schemas/Order/properties/qty/pattern: request body application/json: "
+            ) && e[0].ends_with("(owner: t)"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn compression_is_opt_in_with_a_threshold() {
+        let s = compile_t(&route("    match: { path: { value: /t/c } }\n    compress: true\n")).unwrap();
+        assert_eq!(s.routes[0].compress, Some(postern_model::Compress { min_bytes: 1024 }));
+        let s = compile_t(&route("    match: { path: { value: /t/c } }\n    compress: { minBytes: 0 }\n")).unwrap();
+        assert_eq!(s.routes[0].compress, Some(postern_model::Compress { min_bytes: 0 }));
+        let s = compile_t(&route("    match: { path: { value: /t/c } }\n    compress: false\n")).unwrap();
+        assert_eq!(s.routes[0].compress, None);
+        let e = compile_t(&route("    match: { path: { value: /t/c } }\n    compress: { minBytes: 9999999 }\n"))
+            .unwrap_err();
+        assert!(e[0].contains("routes[0].compress.minBytes: is 0 to 1 MiB"), "{e:?}");
     }
 
     #[test]

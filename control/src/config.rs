@@ -11,6 +11,7 @@
 //! teams/<team>/*.yaml       routes: [RouteDoc]
 //! teams/<team>/filters/<name>.yaml   a filter manifest: module, limits, samples
 //! teams/<team>/samples/*.yaml        samples: saved requests and the route each must reach
+//! teams/<team>/openapi/*.{yaml,yml,json}   OpenAPI 3.0/3.1 documents routes validate against
 //! ```
 
 use std::collections::BTreeMap;
@@ -237,6 +238,61 @@ pub struct RouteDoc {
     /// Wasm filters, run in order after the built-in ones.
     #[serde(default)]
     pub wasm_filters: Vec<WasmAttachDoc>,
+    /// Check requests against an operation of the team's OpenAPI document.
+    #[serde(default)]
+    pub validate: Option<ValidateDoc>,
+    /// Compress answers by the client's `Accept-Encoding`: `true`, or
+    /// `{ minBytes: N }` (answers declaring fewer bytes are sent as they are; 1024 by
+    /// default).
+    #[serde(default)]
+    pub compress: Option<CompressDoc>,
+}
+
+/// `compress:` of a route.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum CompressDoc {
+    /// `true` (defaults) or `false` (off).
+    On(bool),
+    /// With a threshold.
+    With(CompressOptsDoc),
+}
+
+/// `compress: { minBytes }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CompressOptsDoc {
+    /// The smallest answer compressed (by its `Content-Length`), 0 to 1 MiB.
+    #[serde(default)]
+    pub min_bytes: Option<u64>,
+}
+
+/// `validate:` of a route: the OpenAPI operation its requests must satisfy.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ValidateDoc {
+    /// A file name in `teams/<team>/openapi/` (`orders.yaml`).
+    pub openapi: String,
+    /// The operation's `operationId`.
+    pub operation_id: String,
+    /// Caps on a JSON body (defaults where absent).
+    #[serde(default)]
+    pub json: Option<JsonLimitsDoc>,
+}
+
+/// `validate.json:` of a route; each field defaults to `JsonLimits::default()`'s.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct JsonLimitsDoc {
+    /// Deepest nesting of arrays and objects (default 32, 1 to 128).
+    #[serde(default)]
+    pub max_depth: Option<u32>,
+    /// Longest string or key in bytes, unescaped (default 64 KiB, 1 to 1 MiB).
+    #[serde(default)]
+    pub max_string_bytes: Option<u32>,
+    /// Most characters in a number (default 32, 1 to 1024).
+    #[serde(default)]
+    pub max_number_chars: Option<u32>,
 }
 
 /// A Wasm filter attached to a route.

@@ -36,6 +36,7 @@ pub mod filter_cost;
 pub mod filter_run;
 pub mod keys;
 pub mod keyservice;
+pub mod openapi;
 pub mod plan;
 pub mod rollout;
 pub mod serve;

@@ -72,6 +72,8 @@ fn snapshot(routes: usize) -> Snapshot {
             rate_limit: None,
             retry: Default::default(),
             priority: None,
+            validate: None,
+            compress: None,
         });
     }
     let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();

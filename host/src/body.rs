@@ -257,6 +257,9 @@ pub enum ResponseBodyError {
     /// The body was not done within the route's total body time.
     #[error("the backend's body ran past the route's total body time")]
     TooLong,
+    /// The response's compression failed.
+    #[error("compressing the response: {0}")]
+    Compress(#[from] std::io::Error),
 }
 
 /// A response body: the backend's stream, or a small body the gateway made.
@@ -274,6 +277,24 @@ pub enum ResponseBody {
     },
     /// Made by the gateway (problem+json, admin pages).
     Full(Option<Bytes>),
+    /// Compressed as it streams (a route's `compress:`).
+    Compressed(Box<Compressing>),
+}
+
+/// A body being compressed: the inner body's frames, each compressed and flushed.
+#[derive(Debug)]
+pub struct Compressing {
+    inner: ResponseBody,
+    encoder: Option<crate::compress::Encoder>,
+    trailers: Option<http::HeaderMap>,
+}
+
+impl ResponseBody {
+    /// This body compressed with `coding` as it streams.
+    pub fn compressed(self, coding: crate::compress::Coding) -> Result<ResponseBody, std::io::Error> {
+        let encoder = crate::compress::Encoder::new(coding)?;
+        Ok(ResponseBody::Compressed(Box::new(Compressing { inner: self, encoder: Some(encoder), trailers: None })))
+    }
 }
 
 impl ResponseBody {
@@ -310,6 +331,33 @@ impl Body for ResponseBody {
                 }
             },
             ResponseBody::Full(b) => Poll::Ready(b.take().map(|d| Ok(Frame::data(d)))),
+            ResponseBody::Compressed(c) => loop {
+                let Some(encoder) = c.encoder.as_mut() else {
+                    // Compressed whole: the inner body's trailers, if any, come last.
+                    return Poll::Ready(c.trailers.take().map(|t| Ok(Frame::trailers(t))));
+                };
+                let frame = match Pin::new(&mut c.inner).poll_frame(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                    Poll::Ready(Some(Ok(frame))) => frame,
+                    Poll::Ready(None) => {
+                        let tail = c.encoder.take().map(crate::compress::Encoder::finish);
+                        return Poll::Ready(tail.map(|t| t.map(Frame::data).map_err(ResponseBodyError::from)));
+                    }
+                };
+                match frame.into_data() {
+                    Ok(data) => match encoder.chunk(&data) {
+                        Ok(out) if out.is_empty() => continue,
+                        Ok(out) => return Poll::Ready(Some(Ok(Frame::data(out)))),
+                        Err(e) => return Poll::Ready(Some(Err(e.into()))),
+                    },
+                    Err(frame) => {
+                        c.trailers = frame.into_trailers().ok();
+                        let tail = c.encoder.take().map(crate::compress::Encoder::finish);
+                        return Poll::Ready(tail.map(|t| t.map(Frame::data).map_err(ResponseBodyError::from)));
+                    }
+                }
+            },
         }
     }
 
@@ -317,6 +365,7 @@ impl Body for ResponseBody {
         match self {
             ResponseBody::Upstream { body, .. } => body.is_end_stream(),
             ResponseBody::Full(b) => b.is_none(),
+            ResponseBody::Compressed(c) => c.encoder.is_none() && c.trailers.is_none(),
         }
     }
 
@@ -324,6 +373,7 @@ impl Body for ResponseBody {
         match self {
             ResponseBody::Upstream { body, .. } => body.size_hint(),
             ResponseBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64)),
+            ResponseBody::Compressed(_) => SizeHint::default(),
         }
     }
 }

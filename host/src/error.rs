@@ -103,6 +103,17 @@ pub enum ProxyError {
     /// The backend closed or reset the connection after the request was sent.
     #[error("the backend closed or reset the connection")]
     UpstreamBroken(#[source] hyper_util::client::legacy::Error),
+    /// The route's validator refused the request (its OpenAPI operation).
+    #[error("{0}")]
+    Refused(#[from] postern_validate::Refusal),
+    /// A `Content-Encoding` the gateway does not decode, on a route that reads bodies
+    /// whole.
+    #[error("the request body's Content-Encoding {0:?} is not one of gzip, br, zstd")]
+    Encoding(String),
+    /// A compressed body over the route's limits once decoded, or not valid in its
+    /// coding.
+    #[error("{0}")]
+    Decode(#[from] postern_validate::DecodeError),
     /// A gateway bug.
     #[error("{0}")]
     Internal(&'static str),
@@ -119,7 +130,10 @@ impl ProxyError {
             | ProxyError::BodyTooLarge { .. }
             | ProxyError::BodyTimeout
             | ProxyError::BodyBroken(_)
-            | ProxyError::ClientBodyBroken(_) => Origin::Downstream,
+            | ProxyError::ClientBodyBroken(_)
+            | ProxyError::Refused(_)
+            | ProxyError::Encoding(_)
+            | ProxyError::Decode(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
             | ProxyError::Shed(_)
             | ProxyError::NodeOverloaded

@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod body;
 pub mod canon;
+pub mod compress;
 pub mod control_client;
 pub mod error;
 pub mod forwarded;

@@ -83,7 +83,7 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 22] = [
+pub const PROBLEM_CODES: [&str; 27] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -103,6 +103,11 @@ pub const PROBLEM_CODES: [&str; 22] = [
     "filter_failed",
     "invalid_path",
     "misdirected_request",
+    "validation_failed",
+    "invalid_json",
+    "unsupported_media_type",
+    "unsupported_encoding",
+    "invalid_encoding",
     "internal_error",
     "service_unavailable",
     "other",

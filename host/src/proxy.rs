@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use http::header::{CONTENT_LENGTH, HOST};
+use bytes::Bytes;
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::uri::PathAndQuery;
 use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
 use hyper::body::Incoming;
@@ -17,6 +18,7 @@ use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
 use postern_filter_contract::{Context, Flow, Identity, Payer, Reply, RequestHead, ResponseFlow};
 use postern_model::Pool;
 use postern_router::Match;
+use postern_validate::Coding;
 
 use crate::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
 use crate::error::ProxyError;
@@ -366,6 +368,16 @@ async fn forward<'l>(
         run_request_filters(rest, &mut parts, cx).await?;
         crate::canon::check_edited_path(&parts, &live.paths)?;
     }
+    // On routes that validate: the parameters and the body's media type, before the
+    // body is read or the backend is asked.
+    let admitted = match &route.validator {
+        None => None,
+        Some(v) => {
+            v.check_head(parts.uri.path(), parts.uri.query(), &parts.headers).map_err(ProxyError::Refused)?;
+            let ct = parts.headers.get(CONTENT_TYPE).map(|v| v.to_str().unwrap_or("\u{fffd}"));
+            Some(v.admit(ct, !http_body::Body::is_end_stream(&body)).map_err(ProxyError::Refused)?)
+        }
+    };
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
     let permit = upstream
@@ -420,6 +432,21 @@ async fn forward<'l>(
             Ok(Err(e)) => return Err(ProxyError::BodyBroken(e).into()),
             Ok(Ok(c)) => c.to_bytes(),
         };
+        // A compressed body: the route's limit applies to what it decodes to.
+        let bytes = match parts.headers.remove(CONTENT_ENCODING) {
+            None => bytes,
+            Some(ce) => match Coding::from_header(ce.to_str().unwrap_or("?")) {
+                Ok(None) => bytes,
+                Ok(Some(coding)) => Bytes::from(
+                    postern_validate::decode::decode(coding, &bytes, route.max_body_bytes)
+                        .map_err(ProxyError::Decode)?,
+                ),
+                Err(v) => return Err(ProxyError::Encoding(v).into()),
+            },
+        };
+        if let (Some(v), Some(admitted)) = (&route.validator, admitted) {
+            v.check_body(admitted, &bytes).map_err(ProxyError::Refused)?;
+        }
         if let Some(cx) = cx {
             run_body_filters(route, &mut parts, &bytes, cx).await?;
             // The body phase edits the request as it goes upstream: its path must be
@@ -456,6 +483,9 @@ async fn forward<'l>(
         }
         _ => None,
     };
+    // What the client accepts, kept for the answer (the request goes on to the backend).
+    let compress =
+        route.compress.and_then(|min| Some((min, crate::compress::negotiate(&parts.headers)?, parts.method.clone())));
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     if upstream.has_other() {
@@ -485,6 +515,16 @@ async fn forward<'l>(
         }
     }
     let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle, body_until), permit: Some(permit) };
+    let body = match compress
+        .and_then(|(min, want, method)| crate::compress::choose(min, &method, Some(want), rp.status, &rp.headers))
+    {
+        None => body,
+        Some(coding) => {
+            let body = body.compressed(coding).map_err(|_| ProxyError::Internal("cannot start compressing"))?;
+            crate::compress::mark(coding, &mut rp.headers);
+            body
+        }
+    };
     Ok(Response::from_parts(rp, body))
 }
 

@@ -9,6 +9,7 @@ use postern_filter_contract::{Problem, Reply};
 
 use crate::body::ResponseBody;
 use crate::error::ProxyError;
+use postern_validate::{DecodeError, Refusal};
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
@@ -45,13 +46,41 @@ pub fn error(e: &ProxyError) -> Problem {
         ProxyError::FilterPath(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "filter_failed", detail),
         ProxyError::UpstreamProtocol(d) => Problem::new(StatusCode::BAD_GATEWAY, "upstream_protocol_error", *d),
         ProxyError::Internal(d) => Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", *d),
+        ProxyError::Refused(r) => refusal(r, detail),
+        ProxyError::Encoding(_) => Problem::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_encoding", detail),
+        ProxyError::Decode(DecodeError::TooLarge(_) | DecodeError::Ratio) => {
+            Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", detail)
+                .with_header(http::header::CONNECTION, HeaderValue::from_static("close"))
+        }
+        ProxyError::Decode(DecodeError::Corrupt(_)) => {
+            Problem::new(StatusCode::BAD_REQUEST, "invalid_encoding", detail)
+        }
+    }
+}
+
+/// A request the route's validator refused: every bad field named in `errors`.
+fn refusal(r: &Refusal, detail: Cow<'static, str>) -> Problem {
+    match r {
+        Refusal::Invalid(fields) => {
+            let errors = fields
+                .iter()
+                .map(|f| serde_json::json!({"in": f.location, "pointer": f.pointer, "message": f.message}))
+                .collect();
+            Problem::new(StatusCode::BAD_REQUEST, "validation_failed", detail)
+                .with_extension("errors", serde_json::Value::Array(errors))
+        }
+        Refusal::Json(e) => Problem::new(StatusCode::BAD_REQUEST, "invalid_json", detail).with_extension(
+            "errors",
+            serde_json::json!([{"in": "body", "offset": e.offset, "message": e.reason.to_string()}]),
+        ),
+        Refusal::MediaType(_) => Problem::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", detail),
     }
 }
 
 /// Renders a problem; the body names the code, status, detail and request id.
 pub fn problem(p: &Problem, request_id: &HeaderValue) -> Response<ResponseBody> {
     let title = p.status.canonical_reason().unwrap_or("Error");
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "type": format!("https://postern.dev/problems/{}", p.code),
         "title": title,
         "status": p.status.as_u16(),
@@ -59,6 +88,12 @@ pub fn problem(p: &Problem, request_id: &HeaderValue) -> Response<ResponseBody> 
         "detail": p.detail,
         "request_id": request_id.to_str().unwrap_or_default(),
     });
+    if let Some(members) = body.as_object_mut() {
+        for (k, v) in &p.extensions {
+            // The standard members are the gateway's own.
+            members.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
     let mut resp = Response::new(ResponseBody::full(bytes));
     *resp.status_mut() = p.status;

@@ -228,6 +228,10 @@ pub struct CompiledRoute {
     pub retry: RetryRule,
     /// The class of all its requests under overload, whatever the caller's plan.
     pub priority: Option<postern_model::Priority>,
+    /// Its OpenAPI operation's validator, on routes that opt in.
+    pub validator: Option<Box<postern_validate::Validator>>,
+    /// Compress answers of at least this many bytes (or of unknown length).
+    pub compress: Option<u64>,
 }
 
 /// Which of a route's requests may be retried: a bit per method (POST's only where the
@@ -667,6 +671,19 @@ impl Builder {
                     response_headers.push((http::header::LINK, v));
                 }
             }
+            let validator = match &r.validate {
+                None => None,
+                Some(v) => Some(Box::new(
+                    postern_validate::Validator::build(v, &r.path).map_err(|e| err(format!("validate: {e}")))?,
+                )),
+            };
+            // A validated body is read whole, so it must fit the buffer.
+            let validates_body = validator.as_ref().is_some_and(|v| v.has_body());
+            if validates_body && r.max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
+                return Err(err("validating a body needs max_body_bytes of at most 1 MiB".into()));
+            }
+            let buffer_body =
+                (r.buffer_body || validates_body) && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES;
             let compiled = CompiledRoute {
                 metrics: self.metrics.route(&id),
                 seed: xxhash_rust::xxh3::xxh3_64(r.id.as_bytes()),
@@ -680,13 +697,15 @@ impl Builder {
                 body_idle: r.timeouts.body_idle_ms.map(|ms| Duration::from_millis(ms.min(300_000))),
                 body_total: Duration::from_millis(r.timeouts.body_total_ms.min(3_600_000)),
                 max_body_bytes: r.max_body_bytes,
-                buffer_body: r.buffer_body && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
+                buffer_body,
                 product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
                 rewrite,
                 filters,
                 response_headers,
                 retry: RetryRule::new(&r.retry),
                 priority: r.priority,
+                validator,
+                compress: r.compress.map(|c| c.min_bytes),
             };
             let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
             let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };

@@ -180,9 +180,28 @@ impl Repo {
 
     /// Runs `posternctl compile` into `out`.
     pub fn compile(&self, out: &Path) -> Output {
-        Command::new(bin("posternctl")).arg("compile").arg(self.path()).arg("-o").arg(out).output().expect("posternctl")
+        ConfigDir(self.path()).compile(out)
+    }
+}
+
+/// A config repository that is already on disk (`examples/config` copied by
+/// [`prepare_example_config`]).
+pub struct ConfigDir<'a>(pub &'a Path);
+
+impl ConfigDir<'_> {
+    /// Runs `posternctl compile` into `out`.
+    pub fn compile(&self, out: &Path) -> Output {
+        Command::new(bin("posternctl")).arg("compile").arg(self.0).arg("-o").arg(out).output().expect("posternctl")
     }
 
+    /// Compiles into `out` and panics with the diagnostics if that fails.
+    pub fn compile_ok(&self, out: &Path) {
+        let o = self.compile(out);
+        assert!(o.status.success(), "compile failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
+impl Repo {
     /// Runs `posternctl compile` into `out` with extra flags.
     pub fn compile_with(&self, out: &Path, extra: &[&str]) -> Output {
         Command::new(bin("posternctl"))

@@ -5,7 +5,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use http::{Method, StatusCode};
-use postern_e2e::{Echo, Node, Repo, get};
+use postern_e2e::{Echo, Node, get};
 
 fn hmac_sha256(key: &[u8], msg: &[u8]) -> String {
     use sha2::Digest;
@@ -31,16 +31,8 @@ async fn example_filters_on_the_demo_routes() {
             postern_e2e::new_key(&config, &format!("c-{i}"), &format!("caller-{i}"), "t", "partner", &["orders:read"])
         })
         .collect();
-    let repo = Repo { dir: tempfile::tempdir().unwrap() };
-    let snap = repo.path().join("snapshot.json");
-    let out = std::process::Command::new(postern_e2e::bin("posternctl"))
-        .arg("compile")
-        .arg(&config)
-        .arg("-o")
-        .arg(&snap)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let snap = dir.path().join("snapshot.json");
+    postern_e2e::ConfigDir(&config).compile_ok(&snap);
     let node = Node::start(&snap, &[]);
 
     // header-injector: request header set, client header removed, response tagged.

@@ -23,6 +23,7 @@ pub mod sign;
 #[cfg(feature = "tls")]
 pub mod tls;
 pub mod usage;
+pub mod validate;
 pub mod wasm;
 
 /// Version of the snapshot format; a node refuses a snapshot with another one.
@@ -549,7 +550,27 @@ pub struct Route {
     /// plan says (bulk exports: `sheddable`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// Request validation compiled from the team's OpenAPI operation (the route buffers
+    /// its body when the operation has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validate: Option<validate::Validation>,
+    /// Compress answers as they stream, by the client's `Accept-Encoding`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compress: Option<Compress>,
 }
+
+/// A route's response compression: zstd, brotli or gzip by the client's
+/// `Accept-Encoding`, on text and structured-text answers of at least `min_bytes` (or of
+/// unknown length), streamed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Compress {
+    /// Answers declaring a smaller `Content-Length` are sent as they are.
+    pub min_bytes: u64,
+}
+
+/// The smallest answer compressed when a route does not say.
+pub const DEFAULT_COMPRESS_MIN_BYTES: u64 = 1024;
 
 /// Which requests of a route may be retried: once, on another host, after a connect
 /// failure, a reset before any response byte or a 503 the backend marks as not

@@ -5,7 +5,8 @@
 //! Query parameters shape the answer, for tests:
 //! `delay_ms=N` waits before answering, `status=N` sets the status, `bytes=N` streams N
 //! bytes of body instead of JSON (in 64 KiB chunks, `pace_ms=N` apart; with `cut=1` the connection breaks
-//! after them, one byte short of the length announced), `reset=1` closes the connection
+//! after them, one byte short of the length announced; `type=T` sets their media type,
+//! `application/octet-stream` by default), `reset=1` closes the connection
 //! without answering, `not_processed=1` marks the answer `x-postern-not-processed: 1` (a
 //! 503 so marked may be retried by the gateway). Every answer names the backend in
 //! `x-echo-name`.
@@ -170,7 +171,11 @@ async fn handle(
         let pace = Duration::from_millis(query_param(&query, "pace_ms").and_then(|v| v.parse().ok()).unwrap_or(0));
         let mut resp = Response::new(Chunks { left: n, chunk, cut, pace, wait: None }.boxed());
         *resp.status_mut() = status;
-        resp.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/octet-stream"));
+        // `type=` names the media type (compression tests); octet-stream by default.
+        let ct = query_param(&query, "type")
+            .and_then(|t| hyper::header::HeaderValue::from_str(t).ok())
+            .unwrap_or(hyper::header::HeaderValue::from_static("application/octet-stream"));
+        resp.headers_mut().insert("content-type", ct);
         return Ok(resp);
     }
 

@@ -140,12 +140,21 @@ pub struct Problem {
     pub detail: Cow<'static, str>,
     /// Extra response headers (`Allow`, `Retry-After`, `WWW-Authenticate`, ...).
     pub headers: HeaderMap,
+    /// Extension members of the body (RFC 9457 §3.2), e.g. `errors` naming every bad
+    /// field of a request that failed validation.
+    pub extensions: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Problem {
     /// A problem with no extra headers.
     pub fn new(status: StatusCode, code: &'static str, detail: impl Into<Cow<'static, str>>) -> Problem {
-        Problem { status, code, detail: detail.into(), headers: HeaderMap::new() }
+        Problem { status, code, detail: detail.into(), headers: HeaderMap::new(), extensions: serde_json::Map::new() }
+    }
+
+    /// Adds an extension member to the body.
+    pub fn with_extension(mut self, name: &str, value: serde_json::Value) -> Problem {
+        self.extensions.insert(name.to_owned(), value);
+        self
     }
 
     /// Adds a response header.

@@ -1,0 +1,454 @@
+//! A strict JSON reader for request bodies: RFC 8259 grammar, UTF-8 only, and the
+//! route's caps checked as it reads: nesting depth, string and number lengths. A
+//! duplicate object key, an invalid UTF-8 byte or a lone surrogate escape is refused,
+//! each with its reason and byte offset.
+//!
+//! `serde_json` keeps the last of two duplicate keys without a word and does not show a
+//! number's length, so this reader is the gateway's own; it builds the
+//! [`serde_json::Value`] the schema validator takes, in one pass.
+
+use postern_model::validate::JsonLimits;
+use serde_json::{Map, Number, Value};
+
+/// Why a body is not acceptable JSON.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason} at byte {offset}")]
+pub struct JsonError {
+    /// What is wrong.
+    pub reason: Reason,
+    /// Where, in bytes from the body's start.
+    pub offset: usize,
+}
+
+/// What is wrong with a JSON body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Reason {
+    /// Not UTF-8.
+    #[error("the body is not valid UTF-8")]
+    InvalidUtf8,
+    /// A byte the grammar does not allow here.
+    #[error("unexpected character")]
+    Unexpected,
+    /// The body ended inside a value.
+    #[error("unexpected end of the body")]
+    Eof,
+    /// Something after the one top-level value.
+    #[error("trailing characters after the JSON value")]
+    Trailing,
+    /// Nesting over the cap.
+    #[error("nested deeper than {0} levels")]
+    TooDeep(u32),
+    /// A string over the cap.
+    #[error("a string is longer than {0} bytes")]
+    StringTooLong(u32),
+    /// A number over the cap.
+    #[error("a number is longer than {0} characters")]
+    NumberTooLong(u32),
+    /// A number no JSON reader can hold (an overflowing exponent).
+    #[error("a number is out of range")]
+    NumberRange,
+    /// An object has the same key twice.
+    #[error("an object has a duplicate key")]
+    DuplicateKey,
+    /// A `\uD800`-`\uDFFF` escape without its pair.
+    #[error("a string has a lone surrogate escape")]
+    LoneSurrogate,
+    /// An unknown escape or a control character in a string.
+    #[error("a string has an invalid escape or control character")]
+    BadString,
+}
+
+/// Reads one JSON value from `body` under `limits`.
+pub fn parse(body: &[u8], limits: &JsonLimits) -> Result<Value, JsonError> {
+    let text =
+        std::str::from_utf8(body).map_err(|e| JsonError { reason: Reason::InvalidUtf8, offset: e.valid_up_to() })?;
+    let mut r = Reader { s: text.as_bytes(), text, i: 0, limits, depth: 0 };
+    r.ws();
+    let v = r.value()?;
+    r.ws();
+    if r.i != r.s.len() {
+        return Err(r.err(Reason::Trailing));
+    }
+    Ok(v)
+}
+
+struct Reader<'a> {
+    s: &'a [u8],
+    text: &'a str,
+    i: usize,
+    limits: &'a JsonLimits,
+    depth: u32,
+}
+
+impl Reader<'_> {
+    fn err(&self, reason: Reason) -> JsonError {
+        JsonError { reason, offset: self.i }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, b: u8) -> Result<(), JsonError> {
+        match self.peek() {
+            Some(c) if c == b => {
+                self.i += 1;
+                Ok(())
+            }
+            Some(_) => Err(self.err(Reason::Unexpected)),
+            None => Err(self.err(Reason::Eof)),
+        }
+    }
+
+    fn literal(&mut self, word: &[u8], v: Value) -> Result<Value, JsonError> {
+        match self.s.get(self.i..self.i + word.len()) {
+            Some(w) if w == word => {
+                self.i += word.len();
+                Ok(v)
+            }
+            Some(_) => Err(self.err(Reason::Unexpected)),
+            None => Err(self.err(Reason::Eof)),
+        }
+    }
+
+    fn value(&mut self) -> Result<Value, JsonError> {
+        match self.peek() {
+            None => Err(self.err(Reason::Eof)),
+            Some(b'{') => self.object(),
+            Some(b'[') => self.array(),
+            Some(b'"') => self.string().map(Value::String),
+            Some(b't') => self.literal(b"true", Value::Bool(true)),
+            Some(b'f') => self.literal(b"false", Value::Bool(false)),
+            Some(b'n') => self.literal(b"null", Value::Null),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            Some(_) => Err(self.err(Reason::Unexpected)),
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), JsonError> {
+        self.depth += 1;
+        if self.depth > self.limits.max_depth {
+            return Err(self.err(Reason::TooDeep(self.limits.max_depth)));
+        }
+        Ok(())
+    }
+
+    fn object(&mut self) -> Result<Value, JsonError> {
+        self.enter()?;
+        self.i += 1;
+        let mut map = Map::new();
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            self.depth -= 1;
+            return Ok(Value::Object(map));
+        }
+        loop {
+            self.ws();
+            let at = self.i;
+            if self.peek() != Some(b'"') {
+                return Err(self.err(if self.peek().is_none() { Reason::Eof } else { Reason::Unexpected }));
+            }
+            let key = self.string()?;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            let v = self.value()?;
+            if map.contains_key(&key) {
+                return Err(JsonError { reason: Reason::DuplicateKey, offset: at });
+            }
+            map.insert(key, v);
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b'}') => {
+                    self.i += 1;
+                    self.depth -= 1;
+                    return Ok(Value::Object(map));
+                }
+                Some(_) => return Err(self.err(Reason::Unexpected)),
+                None => return Err(self.err(Reason::Eof)),
+            }
+        }
+    }
+
+    fn array(&mut self) -> Result<Value, JsonError> {
+        self.enter()?;
+        self.i += 1;
+        let mut items = Vec::new();
+        self.ws();
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            self.depth -= 1;
+            return Ok(Value::Array(items));
+        }
+        loop {
+            self.ws();
+            items.push(self.value()?);
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    self.depth -= 1;
+                    return Ok(Value::Array(items));
+                }
+                Some(_) => return Err(self.err(Reason::Unexpected)),
+                None => return Err(self.err(Reason::Eof)),
+            }
+        }
+    }
+
+    fn number(&mut self) -> Result<Value, JsonError> {
+        let start = self.i;
+        let digits = |r: &mut Self| {
+            let from = r.i;
+            while let Some(b'0'..=b'9') = r.peek() {
+                r.i += 1;
+            }
+            r.i - from
+        };
+        if self.peek() == Some(b'-') {
+            self.i += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.i += 1,
+            Some(b'1'..=b'9') => {
+                digits(self);
+            }
+            Some(_) => return Err(self.err(Reason::Unexpected)),
+            None => return Err(self.err(Reason::Eof)),
+        }
+        let mut float = false;
+        if self.peek() == Some(b'.') {
+            float = true;
+            self.i += 1;
+            if digits(self) == 0 {
+                return Err(self.err(if self.peek().is_none() { Reason::Eof } else { Reason::Unexpected }));
+            }
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            float = true;
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.i += 1;
+            }
+            if digits(self) == 0 {
+                return Err(self.err(if self.peek().is_none() { Reason::Eof } else { Reason::Unexpected }));
+            }
+        }
+        let len = self.i - start;
+        if len > self.limits.max_number_chars as usize {
+            return Err(JsonError { reason: Reason::NumberTooLong(self.limits.max_number_chars), offset: start });
+        }
+        let tok = &self.text[start..self.i];
+        let out_of_range = JsonError { reason: Reason::NumberRange, offset: start };
+        // `-0` is the float it reads as elsewhere.
+        if !float && tok != "-0" {
+            if let Ok(n) = tok.parse::<i64>() {
+                return Ok(Value::Number(n.into()));
+            }
+            if let Ok(n) = tok.parse::<u64>() {
+                return Ok(Value::Number(n.into()));
+            }
+        }
+        let f = tok.parse::<f64>().map_err(|_| out_of_range.clone())?;
+        Number::from_f64(f).map(Value::Number).ok_or(out_of_range)
+    }
+
+    fn hex4(&mut self) -> Result<u32, JsonError> {
+        let Some(h) = self.s.get(self.i..self.i + 4) else {
+            return Err(self.err(Reason::Eof));
+        };
+        let mut v = 0u32;
+        for &c in h {
+            let d = match c {
+                b'0'..=b'9' => c - b'0',
+                b'a'..=b'f' => c - b'a' + 10,
+                b'A'..=b'F' => c - b'A' + 10,
+                _ => return Err(self.err(Reason::BadString)),
+            };
+            v = v * 16 + u32::from(d);
+        }
+        self.i += 4;
+        Ok(v)
+    }
+
+    fn string(&mut self) -> Result<String, JsonError> {
+        let start = self.i;
+        self.i += 1;
+        let max = self.limits.max_string_bytes as usize;
+        let too_long = JsonError { reason: Reason::StringTooLong(self.limits.max_string_bytes), offset: start };
+        // The plain run first: most strings have no escape.
+        let run = self.i;
+        while let Some(&c) = self.s.get(self.i) {
+            if c == b'"' || c == b'\\' || c < 0x20 {
+                break;
+            }
+            self.i += 1;
+        }
+        let mut out = String::new();
+        if self.peek() == Some(b'"') {
+            if self.i - run > max {
+                return Err(too_long);
+            }
+            out.push_str(&self.text[run..self.i]);
+            self.i += 1;
+            return Ok(out);
+        }
+        out.push_str(&self.text[run..self.i]);
+        loop {
+            if out.len() > max {
+                return Err(too_long);
+            }
+            let Some(c) = self.peek() else {
+                return Err(self.err(Reason::Eof));
+            };
+            match c {
+                b'"' => {
+                    self.i += 1;
+                    return Ok(out);
+                }
+                b'\\' => {
+                    self.i += 1;
+                    let Some(e) = self.peek() else {
+                        return Err(self.err(Reason::Eof));
+                    };
+                    self.i += 1;
+                    let ch = match e {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => {
+                            let at = self.i - 2;
+                            let lone = JsonError { reason: Reason::LoneSurrogate, offset: at };
+                            let hi = self.hex4()?;
+                            let code = match hi {
+                                0xD800..=0xDBFF => {
+                                    if self.s.get(self.i..self.i + 2) != Some(b"\\u") {
+                                        return Err(lone);
+                                    }
+                                    self.i += 2;
+                                    let lo = self.hex4()?;
+                                    if !(0xDC00..=0xDFFF).contains(&lo) {
+                                        return Err(lone);
+                                    }
+                                    0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00)
+                                }
+                                0xDC00..=0xDFFF => return Err(lone),
+                                c => c,
+                            };
+                            char::from_u32(code).ok_or(lone)?
+                        }
+                        _ => {
+                            self.i -= 1;
+                            return Err(self.err(Reason::BadString));
+                        }
+                    };
+                    out.push(ch);
+                }
+                0x00..=0x1f => return Err(self.err(Reason::BadString)),
+                _ => {
+                    let from = self.i;
+                    while let Some(&c) = self.s.get(self.i) {
+                        if c == b'"' || c == b'\\' || c < 0x20 {
+                            break;
+                        }
+                        self.i += 1;
+                    }
+                    out.push_str(&self.text[from..self.i]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn limits() -> JsonLimits {
+        JsonLimits { max_depth: 4, max_string_bytes: 8, max_number_chars: 6 }
+    }
+
+    fn reason(s: &str) -> (Reason, usize) {
+        let e = parse(s.as_bytes(), &limits()).unwrap_err();
+        (e.reason, e.offset)
+    }
+
+    #[test]
+    fn reads_what_serde_json_reads() {
+        let big = JsonLimits::default();
+        for s in [
+            r#"{"a":[1,-2,3.5,1e3,-0,true,false,null,"x\u00e9\ud83d\ude00\n"],"b":{}}"#,
+            " [ ] ",
+            "\"\"",
+            "0",
+            "18446744073709551615",
+            "-9223372036854775808",
+            r#"{"k":"\"\\\/\b\f\n\r\t"}"#,
+        ] {
+            let ours = parse(s.as_bytes(), &big).unwrap();
+            let theirs: Value = serde_json::from_str(s).unwrap();
+            assert_eq!(ours, theirs, "{s}");
+        }
+        assert_eq!(parse(br#"{"a":"\u00e9"}"#, &big).unwrap(), json!({"a": "é"}));
+    }
+
+    #[test]
+    fn refuses_bad_grammar() {
+        assert_eq!(reason("{"), (Reason::Eof, 1));
+        assert_eq!(reason("[1,]"), (Reason::Unexpected, 3));
+        assert_eq!(reason("01"), (Reason::Trailing, 1));
+        assert_eq!(reason("1."), (Reason::Eof, 2));
+        assert_eq!(reason("{'a':1}"), (Reason::Unexpected, 1));
+        assert_eq!(reason("[1] x"), (Reason::Trailing, 4));
+        assert_eq!(reason("nul"), (Reason::Eof, 0));
+        assert_eq!(reason("\"a\tb\""), (Reason::BadString, 2));
+        assert_eq!(reason(r#""\x""#), (Reason::BadString, 2));
+        assert_eq!(reason(""), (Reason::Eof, 0));
+    }
+
+    #[test]
+    fn each_cap_has_its_reason() {
+        assert_eq!(reason("[[[[[1]]]]]"), (Reason::TooDeep(4), 4));
+        assert!(parse(b"[[[[1]]]]", &limits()).is_ok());
+        assert_eq!(reason(r#"{"a":{"b":{"c":{"d":{}}}}}"#), (Reason::TooDeep(4), 20));
+        assert_eq!(reason(r#"{"k":"123456789"}"#), (Reason::StringTooLong(8), 5));
+        assert_eq!(reason(r#"{"123456789":1}"#), (Reason::StringTooLong(8), 1));
+        assert_eq!(reason(r#"["12345678\n"]"#), (Reason::StringTooLong(8), 1));
+        assert!(parse(br#"["12345678"]"#, &limits()).is_ok());
+        assert_eq!(reason("[1234567]"), (Reason::NumberTooLong(6), 1));
+        assert_eq!(reason("[1.5e+10]"), (Reason::NumberTooLong(6), 1));
+        assert!(parse(b"[-1.5e9]", &limits()).is_ok());
+        assert_eq!(parse(b"1e400", &JsonLimits::default()).unwrap_err().reason, Reason::NumberRange);
+    }
+
+    #[test]
+    fn refuses_duplicates_bad_utf8_and_lone_surrogates() {
+        assert_eq!(reason(r#"{"a":1,"a":2}"#), (Reason::DuplicateKey, 7));
+        // The same key spelt with an escape is the same key.
+        assert_eq!(reason(r#"{"a":1,"\u0061":2}"#), (Reason::DuplicateKey, 7));
+        let e = parse(b"{\"a\":\"\xff\"}", &limits()).unwrap_err();
+        assert_eq!((e.reason, e.offset), (Reason::InvalidUtf8, 6));
+        assert_eq!(reason(r#"["\ud800"]"#), (Reason::LoneSurrogate, 2));
+        assert_eq!(reason(r#"["\udc00"]"#), (Reason::LoneSurrogate, 2));
+        assert_eq!(reason(r#"["\ud800\u0041"]"#), (Reason::LoneSurrogate, 2));
+        assert_eq!(
+            JsonError { reason: Reason::DuplicateKey, offset: 7 }.to_string(),
+            "an object has a duplicate key at byte 7"
+        );
+    }
+}
