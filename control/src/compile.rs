@@ -980,6 +980,7 @@ fn compile_route(
         priority,
         validate,
         compress,
+        grpc,
     })
 }
 

@@ -74,6 +74,7 @@ fn snapshot(routes: usize) -> Snapshot {
             priority: None,
             validate: None,
             compress: None,
+            grpc: None,
         });
     }
     let plans = [("partner".to_owned(), Plan::of_products(&["orders"]))].into_iter().collect();

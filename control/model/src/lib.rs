@@ -22,6 +22,7 @@ pub mod report;
 pub mod sign;
 #[cfg(feature = "tls")]
 pub mod tls;
+pub mod transcode;
 pub mod usage;
 pub mod validate;
 pub mod wasm;
@@ -557,6 +558,10 @@ pub struct Route {
     /// Compress answers as they stream, by the client's `Accept-Encoding`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compress: Option<Compress>,
+    /// REST→gRPC transcoding to the route's (HTTP/2) backend: JSON in, protobuf to the
+    /// service, JSON back; the route buffers its body.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc: Option<transcode::Transcode>,
 }
 
 /// A route's response compression: zstd, brotli or gzip by the client's
