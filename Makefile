@@ -50,8 +50,8 @@ test: setup kafka-broker
 demo: setup
 	@echo "==> building the example Wasm filters (wasm32-wasip2)"
 	@$(MAKE) --no-print-directory filters
-	@echo "==> building postern, posternctl and postern-echo (profile demo: optimised, no LTO)"
-	$(CARGO) build --profile demo --bins -p postern -p posternctl -p postern-echo
+	@echo "==> building postern, posternctl, postern-echo and postern-grpc-echo (profile demo: optimised, no LTO)"
+	$(CARGO) build --profile demo --bins -p postern -p posternctl -p postern-echo -p postern-grpc-echo
 	@echo "==> starting the demo"
 	bash examples/demo.sh $(TARGET_DIR)/demo
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The demo: the whole product on one machine, embedded. Echo backends on
-# 127.0.0.1:9001-9003; the example config (with the built filters approved) as the config
+# 127.0.0.1:9001-9003 and the orders gRPC service on :9004; the example config (with the built filters approved) as the config
 # repository; `posternctl serve` with its embedded store on 127.0.0.1:9400, signing every
 # version; two nodes following it (node-a, the canary: public :8080, partner :8081, admin
 # :9901; node-b: :8180, :8181, :9911); the key service. Ctrl-C stops everything.
@@ -37,6 +37,9 @@ for spec in 9001=echo 9002=orders-v1 9003=orders-v2; do
   "$bin/postern-echo" --listen "127.0.0.1:$port" --name "$name" >>"$state/echo.log" 2>&1 &
   started $!
 done
+step "the orders gRPC service on 127.0.0.1:9004 (h2c; log: $state/grpc.log)"
+"$bin/postern-grpc-echo" --listen 127.0.0.1:9004 >"$state/grpc.log" 2>&1 &
+started $!
 
 # The config repository as the platform would hold it: the example config plus the built
 # filter modules beside their manifests, each approved in platform/filters.yaml.

@@ -42,7 +42,8 @@ fn main() {
             Err(errors) => {
                 for e in errors {
                     // The reason without the names that vary.
-                    let reason: String = e.message.split(['"', ':']).next().unwrap_or_default().chars().take(70).collect();
+                    let reason: String =
+                        e.message.split(['"', ':']).next().unwrap_or_default().chars().take(70).collect();
                     *refused.entry(reason).or_default() += 1;
                 }
                 continue;
@@ -54,7 +55,10 @@ fn main() {
         built += t.elapsed();
         match v {
             Ok(_) => ok += 1,
-            Err(e) => *refused.entry(format!("validator: {}", e.message.chars().take(60).collect::<String>())).or_default() += 1,
+            Err(e) => {
+                *refused.entry(format!("validator: {}", e.message.chars().take(60).collect::<String>())).or_default() +=
+                    1
+            }
         }
         schemas += op.validation.parameters.len() + op.validation.body.as_ref().map_or(0, |b| b.media.len());
         bytes += serde_json::to_vec(&op.validation).map(|v| v.len()).unwrap_or(0);

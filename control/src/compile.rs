@@ -861,11 +861,20 @@ fn compile_route(
             Some(postern_model::Compress { min_bytes })
         }
     };
+    let grpc = r.grpc.as_ref().and_then(|g| route_grpc(cx, &at, g, kind, &r, clusters));
     let validate = r.validate.as_ref().map(|v| route_validation(cx, &at, v));
     let refused = validate.as_ref().is_some_and(Option::is_none);
     let validate = validate.flatten();
-    // A validated body is read whole before the request goes on.
-    let buffer_body = r.buffer_body || validate.as_ref().is_some_and(|v| v.body.is_some());
+    // A validated or transcoded body is read whole before the request goes on.
+    let buffer_body = r.buffer_body || validate.as_ref().is_some_and(|v| v.body.is_some()) || grpc.is_some();
+    if r.grpc.is_some() && r.validate.is_some() {
+        cx.error(
+            file,
+            format!("{field}.grpc"),
+            "a route validates against OpenAPI or transcodes to gRPC, not both",
+            owner,
+        );
+    }
 
     let rewrite = match &r.rewrite {
         None => None,
@@ -982,6 +991,103 @@ fn compile_route(
         compress,
         grpc,
     })
+}
+
+/// A route's `grpc:`: the service's descriptors (compiled from `.proto` sources with
+/// protox, a pure-Rust protobuf compiler, or read as a descriptor set), checked by
+/// building the node's own transcoder; every binding must fall under the route's prefix
+/// and the route's backends must speak HTTP/2.
+fn route_grpc(
+    cx: &mut Ctx,
+    route: &RouteAt<'_>,
+    doc: &crate::config::GrpcDoc,
+    kind: PathKind,
+    r: &RouteDoc,
+    clusters: &BTreeMap<String, Cluster>,
+) -> Option<postern_model::transcode::Transcode> {
+    let (file, field, team) = (route.file, route.field, route.team);
+    let owner = Some(team);
+    let at = format!("{field}.grpc");
+    let name = doc.proto.as_str();
+    if name.is_empty() || name.contains(['/', '\\']) || name.contains("..") {
+        cx.error(file, format!("{at}.proto"), "a file name in teams/<team>/proto/ (no '/' nor '..')", owner);
+        return None;
+    }
+    let dir = cx.root.join("teams").join(team).join("proto");
+    let rel = format!("teams/{team}/proto/{name}");
+    let path = dir.join(name);
+    if !path.is_file() {
+        cx.error(file, format!("{at}.proto"), format!("no file {rel}"), owner);
+        return None;
+    }
+    let descriptors = if name.ends_with(".proto") {
+        let compiled = protox::Compiler::new([&dir]).and_then(|mut c| {
+            c.include_imports(true).include_source_info(false);
+            c.open_file(name)?;
+            Ok(c.encode_file_descriptor_set())
+        });
+        match compiled {
+            Ok(d) => d,
+            Err(e) => {
+                cx.error(&path, "", format!("does not compile: {e}"), owner);
+                return None;
+            }
+        }
+    } else {
+        match std::fs::read(&path) {
+            Ok(d) => d,
+            Err(e) => {
+                cx.error(&path, "", format!("cannot be read: {e}"), owner);
+                return None;
+            }
+        }
+    };
+    let t = postern_model::transcode::Transcode { source: rel.clone(), descriptors, service: doc.service.clone() };
+    let built = match postern_transcode::Transcoder::build(&t) {
+        Ok(b) => b,
+        Err(e) => {
+            cx.error(&path, "", e.to_string(), owner);
+            return None;
+        }
+    };
+    if kind != PathKind::Prefix {
+        cx.error(
+            file,
+            format!("{field}.match.path"),
+            "a transcoded route matches a PathPrefix its bindings fall under",
+            owner,
+        );
+    }
+    let prefix = route.path.trim_end_matches('/');
+    for b in built.bindings() {
+        let lit = b.literal_prefix();
+        if !(lit == format!("{prefix}/") || lit.starts_with(&format!("{prefix}/")) || prefix.is_empty()) {
+            cx.error(
+                file,
+                at.clone(),
+                format!(
+                    "{rel}: the binding {} {} is not under the route's path {}",
+                    b.http_method(),
+                    b.template_text(),
+                    route.path
+                ),
+                owner,
+            );
+        }
+    }
+    for backend in &r.backend_refs {
+        if let Some(c) = clusters.get(&backend.name)
+            && !c.http2
+        {
+            cx.error(
+                file,
+                at.clone(),
+                format!("cluster {} must set protocol: http2 to carry gRPC", backend.name),
+                owner,
+            );
+        }
+    }
+    Some(t)
 }
 
 /// The route a `validate:` belongs to.
@@ -1806,6 +1912,65 @@ mod tests {
         let e = compile_t(&route("    match: { path: { value: /t/c } }\n    compress: { minBytes: 9999999 }\n"))
             .unwrap_err();
         assert!(e[0].contains("routes[0].compress.minBytes: is 0 to 1 MiB"), "{e:?}");
+    }
+
+    #[test]
+    fn a_transcoded_route_carries_its_descriptors_and_is_checked() {
+        const PROTO: &str = "syntax = \"proto3\";\npackage t.v1;\nimport \"google/api/annotations.proto\";\n\
+            message Get { string id = 1; }\nmessage Thing { string id = 1; }\n\
+            service Things { rpc GetThing(Get) returns (Thing) { option (google.api.http) = { get: \"/t/v1/things/{id}\" }; } }\n";
+        let routes = route(
+            "    match: { path: { type: PathPrefix, value: /t/v1 } }\n    grpc: { proto: things.proto, service: t.v1.Things }\n",
+        );
+        let dir = repo_t(&routes);
+        write(dir.path(), "teams/t/proto/things.proto", PROTO);
+        for f in ["annotations.proto", "http.proto"] {
+            let from =
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/config/teams/orders/proto/google/api").join(f);
+            write(dir.path(), &format!("teams/t/proto/google/api/{f}"), &std::fs::read_to_string(from).unwrap());
+        }
+        let errs = |dir: &Path| -> Vec<String> {
+            compile(dir).map(|_| Vec::new()).unwrap_or_else(|r| r.0.iter().map(ToString::to_string).collect())
+        };
+        // An HTTP/1.1 cluster cannot carry gRPC.
+        assert_eq!(
+            errs(dir.path()),
+            ["teams/t/routes.yaml: routes[0].grpc: cluster a must set protocol: http2 to carry gRPC (owner: t)"]
+        );
+        write(
+            dir.path(),
+            "platform/clusters.yaml",
+            &PLATFORM_CLUSTERS.replace(
+                "a: { endpoints: [\"127.0.0.1:9001\"] }",
+                "a: { endpoints: [\"127.0.0.1:9001\"], protocol: http2 }",
+            ),
+        );
+        let s = compile(dir.path()).unwrap().snapshot;
+        let g = s.routes[0].grpc.as_ref().unwrap();
+        assert_eq!((g.source.as_str(), g.service.as_str()), ("teams/t/proto/things.proto", "t.v1.Things"));
+        assert!(s.routes[0].buffer_body);
+        assert_eq!(postern_transcode::Transcoder::build(g).unwrap().bindings().len(), 1);
+        // A binding outside the route's prefix; an unknown field in a template; no file.
+        write(dir.path(), "teams/t/routes.yaml", &routes.replace("value: /t/v1 }", "value: /t/v2 }"));
+        assert_eq!(
+            errs(dir.path()),
+            [
+                "teams/t/routes.yaml: routes[0].grpc: teams/t/proto/things.proto: the binding GET /t/v1/things/{id} is not under the route's path /t/v2 (owner: t)"
+            ]
+        );
+        write(dir.path(), "teams/t/routes.yaml", &routes);
+        write(dir.path(), "teams/t/proto/things.proto", &PROTO.replace("{id}", "{nope}"));
+        assert_eq!(
+            errs(dir.path()),
+            [
+                "teams/t/proto/things.proto: t.v1.Things.GetThing (get /t/v1/things/{nope}): t.v1.Get has no field \"nope\" (owner: t)"
+            ]
+        );
+        write(dir.path(), "teams/t/routes.yaml", &routes.replace("things.proto", "other.proto"));
+        assert_eq!(
+            errs(dir.path()),
+            ["teams/t/routes.yaml: routes[0].grpc.proto: no file teams/t/proto/other.proto (owner: t)"]
+        );
     }
 
     #[test]

@@ -241,11 +241,26 @@ pub struct RouteDoc {
     /// Check requests against an operation of the team's OpenAPI document.
     #[serde(default)]
     pub validate: Option<ValidateDoc>,
+    /// REST→gRPC transcoding to the route's backend (a cluster with `protocol: http2`).
+    #[serde(default)]
+    pub grpc: Option<GrpcDoc>,
     /// Compress answers by the client's `Accept-Encoding`: `true`, or
     /// `{ minBytes: N }` (answers declaring fewer bytes are sent as they are; 1024 by
     /// default).
     #[serde(default)]
     pub compress: Option<CompressDoc>,
+}
+
+/// `grpc:` of a route: the service its requests are transcoded to.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GrpcDoc {
+    /// A file in `teams/<team>/proto/`: `.proto` source (compiled with its imports from
+    /// that folder), or a descriptor set (`protoc --descriptor_set_out
+    /// --include_imports`, `buf build -o`; any other extension).
+    pub proto: String,
+    /// The fully qualified service: `orders.v1.Orders`.
+    pub service: String,
 }
 
 /// `compress:` of a route.

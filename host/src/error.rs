@@ -114,6 +114,14 @@ pub enum ProxyError {
     /// coding.
     #[error("{0}")]
     Decode(#[from] postern_validate::DecodeError),
+    /// A transcoded call ended with a gRPC status other than OK.
+    #[error("{message}")]
+    Grpc {
+        /// The gRPC status code.
+        code: u32,
+        /// Its `grpc-message`.
+        message: String,
+    },
     /// A gateway bug.
     #[error("{0}")]
     Internal(&'static str),
@@ -142,7 +150,7 @@ impl ProxyError {
             | ProxyError::ConnectTimeout(_)
             | ProxyError::ConnectRefused(_) => Origin::UpstreamConnect,
             ProxyError::ResponseTimeout { .. } | ProxyError::UpstreamBroken(_) => Origin::UpstreamSent,
-            ProxyError::UpstreamProtocol(_) => Origin::UpstreamSent,
+            ProxyError::UpstreamProtocol(_) | ProxyError::Grpc { .. } => Origin::UpstreamSent,
             ProxyError::FilterPath(_) | ProxyError::Internal(_) => Origin::Internal,
         }
     }

@@ -83,7 +83,7 @@ impl RouteMetrics {
 }
 
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 27] = [
+pub const PROBLEM_CODES: [&str; 32] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -108,6 +108,13 @@ pub const PROBLEM_CODES: [&str; 27] = [
     "unsupported_media_type",
     "unsupported_encoding",
     "invalid_encoding",
+    // The commonest gRPC statuses of transcoded calls (postern_transcode::status); the
+    // rest count as `other`.
+    "invalid_argument",
+    "deadline_exceeded",
+    "not_found",
+    "internal",
+    "unavailable",
     "internal_error",
     "service_unavailable",
     "other",

@@ -5,6 +5,7 @@
 //! anything across an `.await` but the request's own state.
 
 use std::net::SocketAddr;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -378,6 +379,11 @@ async fn forward<'l>(
             Some(v.admit(ct, !http_body::Body::is_end_stream(&body)).map_err(ProxyError::Refused)?)
         }
     };
+    // On routes transcoded to gRPC: the binding this method and path take.
+    let call = match &route.grpc {
+        None => None,
+        Some(t) => Some(grpc_binding(t, &parts.method, parts.uri.path())?),
+    };
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
     let permit = upstream
@@ -387,7 +393,13 @@ async fn forward<'l>(
     // Admitted to the backend: its answer (or failure) counts for it.
     ex.backend = backend.metrics.as_deref();
 
+    // A gRPC call's query is read into its message; the call goes to its method's path.
+    let grpc_query = call.as_ref().and_then(|_| parts.uri.query().map(str::to_owned));
     let pq = match &route.rewrite {
+        _ if let Some(m) = &call => {
+            parts.method = http::Method::POST;
+            PathAndQuery::from_str(m.binding.grpc_path()).map_err(|_| ProxyError::Internal("a gRPC path"))?
+        }
         None => parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/")),
         Some(rw) => rewrite_path(parts.uri.path(), parts.uri.query(), rw)
             .ok_or(ProxyError::BadRequest("the rewritten path is not valid"))?,
@@ -415,6 +427,14 @@ async fn forward<'l>(
     h.insert(X_REQUEST_ID, ex.rid.clone());
     let left = route.response_timeout.saturating_sub(ex.start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
+    if call.is_some() {
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        h.remove(http::header::ACCEPT_ENCODING);
+        if let Ok(v) = HeaderValue::from_str(&postern_transcode::timeout_header(left)) {
+            h.insert(GRPC_TIMEOUT, v);
+        }
+    }
 
     let body_idle = route.body_idle.unwrap_or(gw.body_idle);
     let body_until = ex.start + route.body_total;
@@ -454,6 +474,13 @@ async fn forward<'l>(
             crate::canon::check_edited_path(&parts, &live.paths)?;
             set_forwarding(&mut parts.headers, conn, hop.as_ref());
         }
+        // JSON, path variables and query → the method's protobuf input, framed.
+        let bytes = match &call {
+            None => bytes,
+            Some(m) => m
+                .request(grpc_query.as_deref(), &bytes, &postern_model::validate::JsonLimits::default())
+                .map_err(ProxyError::Refused)?,
+        };
         parts.headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         UpstreamBody::Full(Some(bytes))
     } else {
@@ -506,6 +533,16 @@ async fn forward<'l>(
         // No upgrade is ever asked for, and interim answers are not relayed.
         return Err(ProxyError::UpstreamProtocol("the backend answered with an unsolicited 1xx").into());
     }
+    let body = match &call {
+        None => ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle, body_until), permit: Some(permit) },
+        Some(m) => {
+            let left = route.response_timeout.saturating_sub(ex.start.elapsed());
+            let json = grpc_answer(m, &mut rp, rb, left, route.response_timeout).await?;
+            // The call is over: its place in the cluster's cap is free.
+            drop(permit);
+            ResponseBody::full(json)
+        }
+    };
     headers::strip_hop_by_hop(&mut rp.headers);
     if let Some(cx) = cx {
         for f in &route.filters {
@@ -514,7 +551,6 @@ async fn forward<'l>(
             }
         }
     }
-    let body = ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle, body_until), permit: Some(permit) };
     let body = match compress
         .and_then(|(min, want, method)| crate::compress::choose(min, &method, Some(want), rp.status, &rp.headers))
     {
@@ -526,6 +562,69 @@ async fn forward<'l>(
         }
     };
     Ok(Response::from_parts(rp, body))
+}
+
+/// The largest gRPC answer a transcoded route reads (it is turned into JSON whole).
+const MAX_GRPC_ANSWER: usize = 4 << 20;
+/// The gRPC deadline header.
+const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
+
+/// The binding a transcoded route's request takes: 404 if none takes its path, 405
+/// with `Allow` if only other methods do.
+fn grpc_binding<'t>(
+    t: &'t postern_transcode::Transcoder,
+    method: &http::Method,
+    path: &str,
+) -> Result<postern_transcode::Matched<'t>, ProxyError> {
+    t.find(method, path).ok_or_else(|| {
+        let others = t.other_methods(path);
+        if others.is_empty() {
+            return ProxyError::RouteNotFound;
+        }
+        let allow: Vec<&str> = others.iter().map(http::Method::as_str).collect();
+        ProxyError::MethodNotAllowed(HeaderValue::from_str(&allow.join(", ")).unwrap_or(HeaderValue::from_static("")))
+    })
+}
+
+/// A gRPC call's answer read whole and turned into JSON: its head becomes a JSON answer's
+/// (gRPC's own headers dropped); a status other than OK is the caller's problem through
+/// the one table of `postern_transcode::status`.
+async fn grpc_answer(
+    m: &postern_transcode::Matched<'_>,
+    rp: &mut http::response::Parts,
+    rb: Incoming,
+    left: Duration,
+    timeout: Duration,
+) -> Result<Vec<u8>, ProxyError> {
+    let limited = http_body_util::Limited::new(rb, MAX_GRPC_ANSWER);
+    let collected = match tokio::time::timeout(left, limited.collect()).await {
+        Err(_) => return Err(ProxyError::ResponseTimeout { timeout }),
+        Ok(Err(_)) => return Err(ProxyError::UpstreamProtocol("the gRPC answer broke off or was too large")),
+        Ok(Ok(c)) => c,
+    };
+    let trailers = collected.trailers().cloned();
+    let body = collected.to_bytes();
+    if rp.status != http::StatusCode::OK {
+        return Err(ProxyError::UpstreamProtocol("the gRPC backend answered with an HTTP error"));
+    }
+    match postern_transcode::outcome(&rp.headers, trailers.as_ref()) {
+        None => Err(ProxyError::UpstreamProtocol("the gRPC answer has no grpc-status")),
+        Some((0, _)) => {
+            let json =
+                m.response(&body).map_err(|_| ProxyError::UpstreamProtocol("the gRPC answer does not decode"))?;
+            let h = &mut rp.headers;
+            h.remove(CONTENT_LENGTH);
+            h.remove(http::header::TRAILER);
+            let grpc: Vec<HeaderName> = h.keys().filter(|k| k.as_str().starts_with("grpc-")).cloned().collect();
+            for k in grpc {
+                h.remove(k);
+            }
+            let ct = if m.binding.server_streaming() { "application/x-ndjson" } else { "application/json" };
+            h.insert(CONTENT_TYPE, HeaderValue::from_static(ct));
+            Ok(json)
+        }
+        Some((code, message)) => Err(ProxyError::Grpc { code, message }),
+    }
 }
 
 /// A request as it went to the backend, kept to send it once more.

@@ -55,6 +55,10 @@ pub fn error(e: &ProxyError) -> Problem {
         ProxyError::Decode(DecodeError::Corrupt(_)) => {
             Problem::new(StatusCode::BAD_REQUEST, "invalid_encoding", detail)
         }
+        ProxyError::Grpc { code, .. } => {
+            let (status, name) = postern_transcode::status(*code);
+            Problem::new(status, name, detail).with_extension("grpc_status", serde_json::Value::from(*code))
+        }
     }
 }
 

@@ -232,6 +232,8 @@ pub struct CompiledRoute {
     pub validator: Option<Box<postern_validate::Validator>>,
     /// Compress answers of at least this many bytes (or of unknown length).
     pub compress: Option<u64>,
+    /// REST→gRPC transcoding to its backend, on routes that opt in.
+    pub grpc: Option<Box<postern_transcode::Transcoder>>,
 }
 
 /// Which of a route's requests may be retried: a bit per method (POST's only where the
@@ -677,8 +679,14 @@ impl Builder {
                     postern_validate::Validator::build(v, &r.path).map_err(|e| err(format!("validate: {e}")))?,
                 )),
             };
-            // A validated body is read whole, so it must fit the buffer.
-            let validates_body = validator.as_ref().is_some_and(|v| v.has_body());
+            let grpc = match &r.grpc {
+                None => None,
+                Some(t) => {
+                    Some(Box::new(postern_transcode::Transcoder::build(t).map_err(|e| err(format!("grpc: {e}")))?))
+                }
+            };
+            // A validated or transcoded body is read whole, so it must fit the buffer.
+            let validates_body = validator.as_ref().is_some_and(|v| v.has_body()) || grpc.is_some();
             if validates_body && r.max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
                 return Err(err("validating a body needs max_body_bytes of at most 1 MiB".into()));
             }
@@ -706,6 +714,7 @@ impl Builder {
                 priority: r.priority,
                 validator,
                 compress: r.compress.map(|c| c.min_bytes),
+                grpc,
             };
             let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
             let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };

@@ -321,7 +321,7 @@ mod tests {
         prost::encoding::encode_varint((72_295_728 << 3) | 2, &mut tag);
         let contains = |needle: &[u8]| FILE_DESCRIPTOR_SET.windows(needle.len()).any(|w| w == needle);
         assert!(contains(&tag));
-        for path in ["/v1/orders/{id}", "/v1/shops/{shop}/orders", "/v1/orders/{order.id}"] {
+        for path in ["/v3/orders/{id}", "/v3/shops/{shop}/orders", "/v3/orders/{order.id}"] {
             assert!(contains(path.as_bytes()), "{path}");
         }
     }

@@ -14,7 +14,11 @@ fn bench(c: &mut Criterion) {
     let mut comp = protox::Compiler::new([root.join("../../examples/config/teams/orders/proto")]).unwrap();
     comp.include_imports(true);
     comp.open_file("orders.proto").unwrap();
-    let t = Transcode { source: "orders.proto".into(), descriptors: comp.encode_file_descriptor_set(), service: "orders.v1.Orders".into() };
+    let t = Transcode {
+        source: "orders.proto".into(),
+        descriptors: comp.encode_file_descriptor_set(),
+        service: "orders.v1.Orders".into(),
+    };
     let t = Transcoder::build(&t).unwrap();
     // A 2 KB order: 14 items, labels, a note.
     let items: Vec<serde_json::Value> = (0..14)
@@ -29,10 +33,10 @@ fn bench(c: &mut Criterion) {
     .unwrap();
     assert!(body.len() > 1500 && body.len() < 2600, "{}", body.len());
     let limits = JsonLimits::default();
-    let m = t.find(&Method::POST, "/v1/shops/acme/orders").unwrap();
+    let m = t.find(&Method::POST, "/v3/shops/acme/orders").unwrap();
     let framed = m.request(None, &body, &limits).unwrap();
     // The answer: the order itself, as the service would send it back.
-    let get = t.find(&Method::GET, "/v1/orders/42").unwrap();
+    let get = t.find(&Method::GET, "/v3/orders/42").unwrap();
     let order_only = framed.slice(5..);
     let _ = order_only;
     let mut g = c.benchmark_group("transcode_2kb_order");

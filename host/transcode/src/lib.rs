@@ -45,6 +45,8 @@ pub struct BuildError {
 #[derive(Debug)]
 pub struct Binding {
     method: Method,
+    /// The template as the annotation writes it.
+    text: String,
     template: Template,
     rpc: MethodDescriptor,
     /// `/orders.v1.Orders/GetOrder`.
@@ -61,6 +63,21 @@ impl Binding {
     /// The gRPC path it calls: `/package.Service/Method`.
     pub fn grpc_path(&self) -> &str {
         &self.grpc_path
+    }
+
+    /// Its HTTP method.
+    pub fn http_method(&self) -> &Method {
+        &self.method
+    }
+
+    /// Its path template, as written.
+    pub fn template_text(&self) -> &str {
+        &self.text
+    }
+
+    /// The literal prefix every path it takes starts with (`/v1/orders/`).
+    pub fn literal_prefix(&self) -> String {
+        self.template.literal_prefix()
     }
 
     /// Whether the method streams its answers (sent as newline-delimited JSON).
@@ -84,9 +101,13 @@ pub struct Matched<'t> {
 }
 
 fn http_method(rule: &DynamicMessage) -> Option<(Method, String)> {
-    for (field, method) in
-        [("get", Method::GET), ("put", Method::PUT), ("post", Method::POST), ("delete", Method::DELETE), ("patch", Method::PATCH)]
-    {
+    for (field, method) in [
+        ("get", Method::GET),
+        ("put", Method::PUT),
+        ("post", Method::POST),
+        ("delete", Method::DELETE),
+        ("patch", Method::PATCH),
+    ] {
         if rule.has_field_by_name(field)
             && let Some(Value::String(t)) = rule.get_field_by_name(field).as_deref()
         {
@@ -178,7 +199,9 @@ impl Transcoder {
         let err = |at: &str, message: String| BuildError { at: at.to_owned(), message };
         let (method, path) = http_method(rule).ok_or_else(|| err(&at, "a binding without a pattern".into()))?;
         let _ = write!(at, " ({} {path})", method.as_str().to_ascii_lowercase());
-        if additional && rule.get_field_by_name("additional_bindings").is_some_and(|v| v.as_list().is_some_and(|l| !l.is_empty())) {
+        if additional
+            && rule.get_field_by_name("additional_bindings").is_some_and(|v| v.as_list().is_some_and(|l| !l.is_empty()))
+        {
             return Err(err(&at, "an additional binding may not have its own".into()));
         }
         let template = Template::parse(&path).map_err(|e| err(&at, format!("bad template: {e}")))?;
@@ -195,7 +218,9 @@ impl Transcoder {
             "" => None,
             "*" => Some(None),
             name => {
-                let f = input.get_field_by_name(name).ok_or_else(|| err(&at, format!("body: {} has no field {name:?}", input.full_name())))?;
+                let f = input
+                    .get_field_by_name(name)
+                    .ok_or_else(|| err(&at, format!("body: {} has no field {name:?}", input.full_name())))?;
                 if !matches!(f.kind(), Kind::Message(_)) || f.is_list() || f.is_map() {
                     return Err(err(&at, format!("body: {name} must be a singular message field")));
                 }
@@ -212,7 +237,9 @@ impl Transcoder {
             "" => None,
             name => {
                 let out = rpc.output();
-                let f = out.get_field_by_name(name).ok_or_else(|| err(&at, format!("response_body: {} has no field {name:?}", out.full_name())))?;
+                let f = out
+                    .get_field_by_name(name)
+                    .ok_or_else(|| err(&at, format!("response_body: {} has no field {name:?}", out.full_name())))?;
                 if !matches!(f.kind(), Kind::Message(_)) || f.is_list() || f.is_map() {
                     return Err(err(&at, format!("response_body: {name} must be a singular message field")));
                 }
@@ -220,7 +247,7 @@ impl Transcoder {
             }
         };
         let grpc_path = format!("/{}/{}", rpc.parent_service().full_name(), rpc.name());
-        Ok(Binding { method, template, rpc: rpc.clone(), grpc_path, body, response_body, bound })
+        Ok(Binding { method, text: path, template, rpc: rpc.clone(), grpc_path, body, response_body, bound })
     }
 
     /// The bindings, in the order they were read.
@@ -231,9 +258,10 @@ impl Transcoder {
     /// The binding a request takes: its method (HEAD as GET) and path.
     pub fn find(&self, method: &Method, path: &str) -> Option<Matched<'_>> {
         let method = if *method == Method::HEAD { &Method::GET } else { method };
-        self.bindings.iter().filter(|b| b.method == *method).find_map(|b| {
-            b.template.matches(path).map(|vars| Matched { binding: b, vars })
-        })
+        self.bindings
+            .iter()
+            .filter(|b| b.method == *method)
+            .find_map(|b| b.template.matches(path).map(|vars| Matched { binding: b, vars }))
     }
 
     /// Whether any binding takes this path with another method (a 405 rather than 404).
@@ -273,7 +301,10 @@ fn parse_value(f: &FieldDescriptor, text: &str) -> Result<Value, String> {
         Kind::Enum(e) => match e.get_value_by_name(text) {
             Some(v) => Value::EnumNumber(v.number()),
             None => Value::EnumNumber(
-                text.parse::<i32>().ok().filter(|n| e.get_value(*n).is_some()).ok_or_else(|| format!("{text:?} is not a value of {}", e.full_name()))?,
+                text.parse::<i32>()
+                    .ok()
+                    .filter(|n| e.get_value(*n).is_some())
+                    .ok_or_else(|| format!("{text:?} is not a value of {}", e.full_name()))?,
             ),
         },
         Kind::Message(m) => return Err(format!("{} is a message, not a scalar", m.full_name())),
@@ -360,7 +391,9 @@ impl Matched<'_> {
                     let mut at = pointer(&track.path());
                     let text = e.to_string();
                     // An unknown field is reported on its object: name the field itself.
-                    if let Some(name) = text.strip_prefix("unrecognized field name '").and_then(|r| r.split('\'').next()) {
+                    if let Some(name) =
+                        text.strip_prefix("unrecognized field name '").and_then(|r| r.split('\'').next())
+                    {
                         at.push('/');
                         at.push_str(&name.replace('~', "~0").replace('/', "~1"));
                     }
@@ -381,7 +414,9 @@ impl Matched<'_> {
             let Some(last) = fields.last() else { continue };
             match parse_value(last, text) {
                 Ok(v) => set(&mut msg, fields, v),
-                Err(e) => errors.push(FieldError { location: "path", pointer: format!("/{}", last.name()), message: e }),
+                Err(e) => {
+                    errors.push(FieldError { location: "path", pointer: format!("/{}", last.name()), message: e })
+                }
             }
         }
         // The query fills what neither the path nor the body (`*` takes it all) bound.
@@ -392,16 +427,26 @@ impl Matched<'_> {
                 let fields = match field_path(&input, &path) {
                     Ok(f) => f,
                     Err(_) => {
-                        errors.push(FieldError { location: "query", pointer: at, message: format!("is not a field of {}", input.full_name()) });
+                        errors.push(FieldError {
+                            location: "query",
+                            pointer: at,
+                            message: format!("is not a field of {}", input.full_name()),
+                        });
                         continue;
                     }
                 };
                 let taken = matches!(b.body, Some(None))
                     || matches!(&b.body, Some(Some(bf)) if fields[0].number() == bf.number())
-                    || b.bound.iter().any(|bf| bf.iter().map(FieldDescriptor::number).eq(fields.iter().map(FieldDescriptor::number)));
+                    || b.bound.iter().any(|bf| {
+                        bf.iter().map(FieldDescriptor::number).eq(fields.iter().map(FieldDescriptor::number))
+                    });
                 let Some(last) = fields.last() else { continue };
                 if taken {
-                    errors.push(FieldError { location: "query", pointer: at, message: "is already given by the path or the body".into() });
+                    errors.push(FieldError {
+                        location: "query",
+                        pointer: at,
+                        message: "is already given by the path or the body".into(),
+                    });
                     continue;
                 }
                 if !scalar(last) {
@@ -445,7 +490,8 @@ impl Matched<'_> {
             let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
             let payload = rest.get(5..5 + len).ok_or("a gRPC frame is cut short")?;
             rest = &rest[5 + len..];
-            let msg = DynamicMessage::decode(out_desc.clone(), payload).map_err(|e| format!("the answer does not decode: {e}"))?;
+            let msg = DynamicMessage::decode(out_desc.clone(), payload)
+                .map_err(|e| format!("the answer does not decode: {e}"))?;
             let shown = match &b.response_body {
                 None => msg,
                 Some(f) => match msg.get_field(f).into_owned() {

@@ -216,7 +216,10 @@ mod tests {
             vars("/v1/users/{user_id}/messages/{message_id}", "/v1/users/me/messages/123456"),
             Some(vec!["me".into(), "123456".into()])
         );
-        assert_eq!(vars("/v1/{name=operations/**}:cancel", "/v1/operations/a/b/c:cancel"), Some(vec!["operations/a/b/c".into()]));
+        assert_eq!(
+            vars("/v1/{name=operations/**}:cancel", "/v1/operations/a/b/c:cancel"),
+            Some(vec!["operations/a/b/c".into()])
+        );
         assert_eq!(vars("/v1/{name=operations/**}:cancel", "/v1/operations/a:run"), None);
         assert_eq!(vars("/v1/messages/{message_id}", "/v1/messages"), None);
         assert_eq!(vars("/v1/messages/{message_id}", "/v1/messages/1/2"), None);

@@ -23,7 +23,12 @@ fn messaging() -> Transcoder {
 }
 
 /// The request a call maps to, as proto3 JSON (every field shown).
-fn call(t: &Transcoder, method: Method, path_and_query: &str, body: &str) -> Result<(String, serde_json::Value), Refusal> {
+fn call(
+    t: &Transcoder,
+    method: Method,
+    path_and_query: &str,
+    body: &str,
+) -> Result<(String, serde_json::Value), Refusal> {
     let (path, query) = path_and_query.split_once('?').map_or((path_and_query, None), |(p, q)| (p, Some(q)));
     let m = t.find(&method, path).unwrap_or_else(|| panic!("no binding for {method} {path}"));
     let framed = m.request(query, body.as_bytes(), &JsonLimits::default())?;
@@ -83,11 +88,14 @@ fn refused(r: Result<(String, serde_json::Value), Refusal>) -> Vec<(&'static str
 #[test]
 fn unknown_fields_and_parameters_are_refused_by_name() {
     let t = messaging();
-    assert_eq!(refused(call(&t, Method::PATCH, "/v1/messages/1", r#"{"text": "x", "colour": "red"}"#)), [("body", "/colour".into())]);
-    assert_eq!(refused(call(&t, Method::GET, "/v1/messages/1?colour=red&revision=x", "")), [
-        ("query", "/colour".into()),
-        ("query", "/revision".into())
-    ]);
+    assert_eq!(
+        refused(call(&t, Method::PATCH, "/v1/messages/1", r#"{"text": "x", "colour": "red"}"#)),
+        [("body", "/colour".into())]
+    );
+    assert_eq!(
+        refused(call(&t, Method::GET, "/v1/messages/1?colour=red&revision=x", "")),
+        [("query", "/colour".into()), ("query", "/revision".into())]
+    );
     // What the path binds may not be given again; `*` takes no query.
     assert_eq!(refused(call(&t, Method::GET, "/v1/messages/1?message_id=2", "")), [("query", "/message_id".into())]);
     assert_eq!(refused(call(&t, Method::PATCH, "/v1/all/1?likes=2", "{}")), [("query", "/likes".into())]);
@@ -142,10 +150,12 @@ fn bad_bindings_are_refused_at_build() {
              service T {{ rpc Get(M) returns (M) {{ option (google.api.http) = {{ {rule} }}; }} }}\n"
         );
         std::fs::write(dir.join("t.proto"), proto).unwrap();
-        let mut c = protox::Compiler::new([dir.clone(), root.join("../../examples/config/teams/orders/proto")]).unwrap();
+        let mut c =
+            protox::Compiler::new([dir.clone(), root.join("../../examples/config/teams/orders/proto")]).unwrap();
         c.include_imports(true);
         c.open_file("t.proto").unwrap();
-        let t = Transcode { source: "t.proto".into(), descriptors: c.encode_file_descriptor_set(), service: "x.T".into() };
+        let t =
+            Transcode { source: "t.proto".into(), descriptors: c.encode_file_descriptor_set(), service: "x.T".into() };
         assert_eq!(Transcoder::build(&t).unwrap_err().to_string(), want.replace("orders.T", "x.T"));
     }
     // Two bindings of one method with the same shape collide.
@@ -176,7 +186,13 @@ fn the_demo_orders_service_builds() {
     let t = Transcoder::build(&t).unwrap();
     let paths: Vec<String> = t.bindings().iter().map(|b| format!("{} {}", b.method, b.template.shape())).collect();
     assert_eq!(paths.len(), 5, "{paths:?}");
-    let (path, v) = call(&t, Method::POST, "/v1/shops/acme/orders?request_id=r1", r#"{"customerId": "cus_1", "items": [{"sku": "ABC-1", "quantity": 2}]}"#).unwrap();
+    let (path, v) = call(
+        &t,
+        Method::POST,
+        "/v3/shops/acme/orders?request_id=r1",
+        r#"{"customerId": "cus_1", "items": [{"sku": "ABC-1", "quantity": 2}]}"#,
+    )
+    .unwrap();
     assert_eq!(path, "/orders.v1.Orders/CreateOrder");
     assert_eq!(v["shop"], "acme");
     assert_eq!(v["requestId"], "r1");
