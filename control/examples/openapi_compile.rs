@@ -19,7 +19,7 @@ fn main() {
     let loaded = t.elapsed();
     let doc: serde_json::Value = {
         let text = std::fs::read_to_string(&path).expect("read");
-        serde_yaml_ng::from_str(&text).expect("parse")
+        serde_json::from_str(&text).or_else(|_| serde_yaml_ng::from_str(&text)).expect("parse")
     };
     let methods = ["get", "put", "post", "delete", "options", "head", "patch", "trace"];
     let mut ids = Vec::new();

@@ -102,7 +102,13 @@ struct RawParam<'a> {
 impl Spec {
     /// Parses a document, YAML or JSON; `openapi:` must be `3.0.x` or `3.1.x`.
     pub fn parse(text: &str) -> Result<Spec, SpecError> {
-        let doc: Value = serde_yaml_ng::from_str(text).map_err(|e| err("", e.to_string()))?;
+        // JSON is read as JSON: YAML's reader refuses some valid JSON (a surrogate pair
+        // escape such as `\ud83c\udf6b`).
+        let doc: Value = if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| err("", e.to_string()))?
+        } else {
+            serde_yaml_ng::from_str(text).map_err(|e| err("", e.to_string()))?
+        };
         let dialect = match doc.get("openapi") {
             Some(Value::String(v)) if release_of(v, "3.0.") => Dialect::V30,
             Some(Value::String(v)) if release_of(v, "3.1.") => Dialect::V31,
@@ -952,6 +958,15 @@ mod tests {
                 "not": { "type": "string" },
             })
         );
+    }
+
+    #[test]
+    fn json_documents_are_read_as_json() {
+        // A surrogate pair escape: valid JSON that YAML's reader refuses.
+        let text = r#"{"openapi": "3.0.3", "info": {"title": "fun size \ud83c\udf6b"}, "paths": {}}"#;
+        let s = Spec::parse(text).unwrap();
+        assert_eq!(s.doc["info"]["title"], "fun size \u{1f36b}");
+        assert_eq!(Spec::parse("{").unwrap_err().pointer, "");
     }
 
     #[test]

@@ -385,9 +385,17 @@ impl Matched<'_> {
                         _ => input.clone(),
                     },
                 };
-                let mut track = serde_path_to_error::Track::new();
-                let de = serde_path_to_error::Deserializer::new(json, &mut track);
-                let part = DynamicMessage::deserialize_with_options(desc, de, &strict).map_err(|e| {
+                // Read once without keeping the path; a body that fails is read again
+                // with it, to name where.
+                let part = match DynamicMessage::deserialize_with_options(desc.clone(), &json, &strict) {
+                    Ok(m) => Ok(m),
+                    Err(_) => {
+                        let mut track = serde_path_to_error::Track::new();
+                        let de = serde_path_to_error::Deserializer::new(json, &mut track);
+                        DynamicMessage::deserialize_with_options(desc, de, &strict).map_err(|e| (e, track))
+                    }
+                };
+                let part = part.map_err(|(e, track)| {
                     let mut at = pointer(&track.path());
                     let text = e.to_string();
                     // An unknown field is reported on its object: name the field itself.
@@ -463,11 +471,13 @@ impl Matched<'_> {
             errors.truncate(postern_model::validate::MAX_FIELD_ERRORS);
             return Err(Refusal::Invalid(errors));
         }
-        let len = msg.encoded_len();
-        let mut out = BytesMut::with_capacity(5 + len);
-        out.put_u8(0);
-        out.put_u32(u32::try_from(len).unwrap_or(u32::MAX));
-        msg.encode(&mut out).map_err(|e| invalid("body", String::new(), e.to_string()))?;
+        // The frame's length is patched in after: measuring the message first would walk
+        // it once more (nested messages are measured as they are written anyway).
+        let mut out = BytesMut::with_capacity(5 + body.len());
+        out.put_bytes(0, 5);
+        msg.encode_raw(&mut out);
+        let len = u32::try_from(out.len() - 5).map_err(|_| invalid("body", String::new(), "too large".into()))?;
+        out[1..5].copy_from_slice(&len.to_be_bytes());
         Ok(out.freeze())
     }
 
