@@ -103,6 +103,7 @@ pub fn choose(
         || status == StatusCode::PARTIAL_CONTENT
         || h.contains_key(CONTENT_ENCODING)
         || h.contains_key(CONTENT_RANGE)
+        || no_transform(h)
         || !compressible(h.get(CONTENT_TYPE))
     {
         return None;
@@ -112,6 +113,14 @@ pub fn choose(
         return None;
     }
     Some(coding)
+}
+
+/// `Cache-Control: no-transform`: a proxy must not change the body (RFC 9110 §7.7).
+fn no_transform(h: &HeaderMap) -> bool {
+    h.get_all(http::header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.split(',').any(|d| d.trim().eq_ignore_ascii_case("no-transform")))
 }
 
 /// Marks a response head as compressed: its coding, no length (it streams), `Vary`, and
@@ -240,6 +249,9 @@ mod tests {
         let mut enc = h.clone();
         enc.insert(CONTENT_ENCODING, HeaderValue::from_static("br"));
         assert_eq!(ok(&enc), None, "the backend encoded it");
+        let mut keep = h.clone();
+        keep.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("max-age=60, No-Transform"));
+        assert_eq!(ok(&keep), None, "no-transform");
         assert!(compressible(Some(&HeaderValue::from_static("application/problem+json"))));
         assert!(!compressible(Some(&HeaderValue::from_static("application/grpc"))));
         assert!(!compressible(None));

@@ -428,9 +428,14 @@ async fn forward<'l>(
     let left = route.response_timeout.saturating_sub(ex.start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
     if call.is_some() {
+        // The call's gRPC headers are the gateway's alone (a client's `grpc-encoding`
+        // would have the backend compress an answer the gateway reads).
+        let theirs: Vec<HeaderName> = h.keys().filter(|k| k.as_str().starts_with("grpc-")).cloned().collect();
+        for k in theirs {
+            h.remove(k);
+        }
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         h.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        h.remove(http::header::ACCEPT_ENCODING);
         if let Ok(v) = HeaderValue::from_str(&postern_transcode::timeout_header(left)) {
             h.insert(GRPC_TIMEOUT, v);
         }

@@ -28,6 +28,9 @@ use prost_reflect::{
 
 use template::Template;
 
+/// The largest JSON answer a call may become.
+const MAX_JSON_ANSWER: usize = 16 << 20;
+
 /// The annotation the bindings are read from.
 const HTTP_RULE: &str = "google.api.http";
 
@@ -486,7 +489,9 @@ impl Matched<'_> {
     pub fn response(&self, body: &[u8]) -> Result<Vec<u8>, String> {
         let b = self.binding;
         let out_desc = b.rpc.output();
-        let opts = SerializeOptions::new().skip_default_fields(false);
+        // Fields at their default are left out, as the proto3 JSON mapping does by
+        // default (a backend echoing empty messages cannot make the answer balloon).
+        let opts = SerializeOptions::new().skip_default_fields(true);
         let mut json = Vec::new();
         let mut rest = body;
         let mut count = 0;
@@ -515,6 +520,9 @@ impl Matched<'_> {
             let mut ser = serde_json::Serializer::new(&mut json);
             shown.serialize_with_options(&mut ser, &opts).map_err(|e| e.to_string())?;
             count += 1;
+            if json.len() > MAX_JSON_ANSWER {
+                return Err("the answer is too large as JSON".into());
+            }
         }
         if count == 0 && !b.server_streaming() {
             return Err("the answer has no message".into());

@@ -60,16 +60,22 @@ pub enum Reason {
 
 /// Reads one JSON value from `body` under `limits`.
 pub fn parse(body: &[u8], limits: &JsonLimits) -> Result<Value, JsonError> {
+    parse_counted(body, limits).map(|(v, _)| v)
+}
+
+/// Reads one JSON value from `body` under `limits`, and how many values it holds (every
+/// scalar, array and object, nested ones included).
+pub fn parse_counted(body: &[u8], limits: &JsonLimits) -> Result<(Value, usize), JsonError> {
     let text =
         std::str::from_utf8(body).map_err(|e| JsonError { reason: Reason::InvalidUtf8, offset: e.valid_up_to() })?;
-    let mut r = Reader { s: text.as_bytes(), text, i: 0, limits, depth: 0 };
+    let mut r = Reader { s: text.as_bytes(), text, i: 0, limits, depth: 0, values: 0 };
     r.ws();
     let v = r.value()?;
     r.ws();
     if r.i != r.s.len() {
         return Err(r.err(Reason::Trailing));
     }
-    Ok(v)
+    Ok((v, r.values))
 }
 
 struct Reader<'a> {
@@ -78,6 +84,7 @@ struct Reader<'a> {
     i: usize,
     limits: &'a JsonLimits,
     depth: u32,
+    values: usize,
 }
 
 impl Reader<'_> {
@@ -118,6 +125,7 @@ impl Reader<'_> {
     }
 
     fn value(&mut self) -> Result<Value, JsonError> {
+        self.values += 1;
         match self.peek() {
             None => Err(self.err(Reason::Eof)),
             Some(b'{') => self.object(),

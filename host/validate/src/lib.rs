@@ -28,6 +28,10 @@ pub use json::JsonError;
 /// The longest message one field error carries.
 const MAX_MESSAGE: usize = 200;
 
+/// Bodies of at most this many JSON values have every error named; larger ones only
+/// their first (the validator builds its whole list before the first comes out).
+const MAX_VALUES_LISTED: usize = 2048;
+
 /// One thing wrong with a request, as the caller sees it in the problem's `errors`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {
@@ -237,13 +241,24 @@ impl Validator {
                 ParamIn::Query => {
                     let values: Vec<&str> =
                         pairs.iter().filter(|(k, _)| *k == p.name).map(|(_, v)| v.as_ref()).collect();
+                    // Backends disagree on which of two values wins: a scalar is given once.
+                    if values.len() > 1 && matches!(p.shape, ParamShape::Scalar { .. }) {
+                        let msg = format!("the query parameter {} is given {} times", p.name, values.len());
+                        push(&mut errors, "query", format!("/{}", p.name), msg);
+                        continue;
+                    }
                     (!values.is_empty()).then(|| params::form(&values, p.shape))
                 }
                 ParamIn::Header => {
                     let name = p.header.as_ref();
-                    let values: Vec<&str> = name
-                        .map(|n| headers.get_all(n).iter().filter_map(|v| v.to_str().ok()).collect())
-                        .unwrap_or_default();
+                    let raw: Vec<&http::HeaderValue> =
+                        name.map(|n| headers.get_all(n).iter().collect()).unwrap_or_default();
+                    let values: Vec<&str> = raw.iter().filter_map(|v| v.to_str().ok()).collect();
+                    if values.len() != raw.len() {
+                        let msg = format!("the header {} is not visible ASCII", p.name);
+                        push(&mut errors, "header", format!("/{}", p.name), msg);
+                        continue;
+                    }
                     (!values.is_empty()).then(|| params::simple(&values.join(","), p.shape))
                 }
             };
@@ -272,7 +287,15 @@ impl Validator {
     /// than UTF-8, or a body on an operation that takes none, is refused.
     pub fn admit(&self, content_type: Option<&str>, has_body: bool) -> Result<Admitted, Refusal> {
         let Some((_, media)) = &self.body else {
-            return Ok(Admitted { media: None });
+            return if has_body {
+                Err(Refusal::Invalid(vec![FieldError {
+                    location: "body",
+                    pointer: String::new(),
+                    message: "this operation takes no request body".into(),
+                }]))
+            } else {
+                Ok(Admitted { media: None })
+            };
         };
         let Some(ct) = content_type else {
             return if has_body {
@@ -314,15 +337,23 @@ impl Validator {
         let Some(m) = admitted.media.and_then(|i| media.get(i)) else {
             return Ok(());
         };
-        let value = json::parse(body, &self.limits)?;
+        let (value, values) = json::parse_counted(body, &self.limits)?;
         let Some(schema) = &m.schema else {
             return Ok(());
         };
         if schema.is_valid(&value) {
             return Ok(());
         }
+        // The validator lists every error before handing out the first, so a large
+        // invalid body (many items each missing a field) could cost as many errors as it
+        // has values: past `MAX_VALUES_LISTED` only the first problem is named.
         let mut errors = Vec::new();
-        for e in schema.iter_errors(&value) {
+        let found: Vec<jsonschema::ValidationError<'_>> = if values <= MAX_VALUES_LISTED {
+            schema.iter_errors(&value).collect()
+        } else {
+            schema.validate(&value).err().into_iter().collect()
+        };
+        for e in found {
             let at = e.instance_path().as_str();
             match e.kind() {
                 // Name the missing or unexpected field itself.

@@ -203,3 +203,26 @@ fn openapi_formats() {
     let got = invalid(v.check_body(a, br#"{"b":"a!","d":"yesterday","u":"x"}"#));
     assert_eq!(got.iter().map(|(_, p, _)| p.as_str()).collect::<Vec<_>>(), ["/b", "/d", "/u"]);
 }
+
+#[test]
+fn the_review_s_cases() {
+    let v = orders();
+    // A scalar given twice, and a header that is not visible ASCII: refused, not guessed.
+    let mut h = HeaderMap::new();
+    h.insert("x-tenant", http::HeaderValue::from_bytes(b"t\xff\xfe").unwrap());
+    let got = invalid(v.check_head("/v1/shops/acme/orders", Some("dryRun=true&dryRun=false"), &h));
+    let pointers: Vec<(&str, &str)> = got.iter().map(|(at, p, _)| (*at, p.as_str())).collect();
+    assert_eq!(pointers, [("query", "/dryRun"), ("header", "/x-tenant")], "{got:?}");
+    // A body on an operation that takes none.
+    let none = Validation { source: "x".into(), parameters: vec![], body: None, json: JsonLimits::default() };
+    let none = Validator::build(&none, "/a").unwrap();
+    assert!(none.admit(None, false).is_ok());
+    assert!(matches!(none.admit(Some("application/json"), true), Err(Refusal::Invalid(_))));
+    // A large body of many bad items: only the first problem is named (the validator
+    // would otherwise build an error per item before the first came out).
+    let items: Vec<String> = (0..3000).map(|_| "{}".to_owned()).collect();
+    let body =
+        format!(r#"{{"customerId":"cus_12345678","currency":"GBP","items":[{}],"shipping":{{}}}}"#, items.join(","));
+    let a = v.admit(Some("application/json"), true).unwrap();
+    assert_eq!(invalid(v.check_body(a, body.as_bytes())).len(), 1);
+}
