@@ -145,30 +145,19 @@ enum Command {
     },
     /// Usage per key, route and time, from the control plane's usage store; `reconcile`
     /// and `export` close a billing period.
+    ///
+    /// `posternctl usage --key demo-partner --by route --last 1h` prints the last hour's
+    /// rows per route; `--chart` draws calls per minute instead, one sparkline per caller
+    /// and route with the minutes that had 4xx or 5xx marked below it, so a spike shows
+    /// without reading numbers.
     #[command(args_conflicts_with_subcommands = true)]
     Usage {
         #[command(subcommand)]
         action: Option<UsageAction>,
         #[command(flatten)]
         control: UsageControlArgs,
-        /// One caller: an API key's id or an OAuth app's client_id.
-        #[arg(long)]
-        key: Option<String>,
-        /// One API product.
-        #[arg(long)]
-        product: Option<String>,
-        /// From (Unix seconds, YYYY-MM-DD or RFC 3339; default: the month's start).
-        #[arg(long)]
-        from: Option<String>,
-        /// To, exclusive (default: now).
-        #[arg(long)]
-        to: Option<String>,
-        /// Rows per route over the range, or per minute or day.
-        #[arg(long, default_value = "route", value_parser = ["route", "minute", "day"])]
-        by: String,
-        /// Print the answer's JSON instead of a table.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        query: UsageQuery,
     },
     /// The control plane's signing key.
     SigningKey {
@@ -234,6 +223,41 @@ enum UsageAction {
         #[arg(long)]
         period: String,
     },
+}
+
+/// `posternctl usage`: which rows, and how to print them.
+#[derive(Args)]
+struct UsageQuery {
+    /// One caller: an API key's id or an OAuth app's client_id.
+    #[arg(long)]
+    key: Option<String>,
+    /// One API product.
+    #[arg(long)]
+    product: Option<String>,
+    /// From (Unix seconds, YYYY-MM-DD or RFC 3339; default: the month's start).
+    #[arg(long)]
+    from: Option<String>,
+    /// To, exclusive (default: now).
+    #[arg(long)]
+    to: Option<String>,
+    /// The range ending now: a whole number and s, m, h or d (90s, 30m, 1h, 2d).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        value_parser = posternctl::usage::parse_last,
+        conflicts_with_all = ["from", "to"]
+    )]
+    last: Option<u64>,
+    /// Rows per route over the range, or per minute or day.
+    #[arg(long, default_value = "route", value_parser = ["route", "minute", "day"])]
+    by: String,
+    /// Calls per minute as a text chart per caller and route, with 4xx and 5xx minutes
+    /// marked (asks for minutes whatever --by says).
+    #[arg(long)]
+    chart: bool,
+    /// Print the answer's JSON instead of a table or chart.
+    #[arg(long)]
+    json: bool,
 }
 
 /// [`ControlArgs`] beside subcommands that bring their own: the token is checked when
@@ -908,8 +932,8 @@ fn main() -> ExitCode {
         Command::Usage { action: Some(UsageAction::Export { control, period }), .. } => {
             report(usage_export(&control, &period))
         }
-        Command::Usage { action: None, control, key, product, from, to, by, json } => {
-            report(control.required().and_then(|control| usage(&control, key, product, from, to, &by, json)))
+        Command::Usage { action: None, control, query } => {
+            report(control.required().and_then(|control| usage(&control, query)))
         }
     }
 }
@@ -941,26 +965,30 @@ fn usage_export(control: &ControlArgs, period: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `posternctl usage`: the control plane's usage rows as a table.
-fn usage(
-    control: &ControlArgs,
-    key: Option<String>,
-    product: Option<String>,
-    from: Option<String>,
-    to: Option<String>,
-    by: &str,
-    json: bool,
-) -> anyhow::Result<()> {
+/// `posternctl usage`: the control plane's usage rows as a table, a chart (`--chart`) or
+/// the answer's JSON (`--json`, which wins over `--chart`).
+fn usage(control: &ControlArgs, q: UsageQuery) -> anyhow::Result<()> {
+    let chart = q.chart && !q.json;
+    let by = if chart { "minute" } else { q.by.as_str() };
+    let (from, to) = match q.last {
+        Some(seconds) => {
+            let now = unix_now();
+            (Some(now.saturating_sub(seconds).to_string()), Some(now.to_string()))
+        }
+        None => (q.from, q.to),
+    };
     let mut query = format!("by={by}");
-    for (name, v) in [("key", key), ("product", product), ("from", from), ("to", to)] {
+    for (name, v) in [("key", q.key), ("product", q.product), ("from", from), ("to", to)] {
         if let Some(v) = v {
             query.push_str(&format!("&{name}={}", posternctl::usage::query_escape(&v)));
         }
     }
     let body = get_ok(control, &format!("{}?{query}", postern_model::protocol::USAGE_PATH))?;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
-    if json {
+    if q.json {
         outln!("{}", serde_json::to_string_pretty(&v)?);
+    } else if chart {
+        out!("{}", posternctl::usage::chart(&v));
     } else {
         out!("{}", posternctl::usage::table(&v));
     }
