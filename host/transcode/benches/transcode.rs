@@ -9,6 +9,10 @@ use postern_model::validate::JsonLimits;
 use postern_transcode::Transcoder;
 use std::hint::black_box;
 
+/// The node's allocator, so the figures match what a request pays in the node.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn bench(c: &mut Criterion) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut comp = protox::Compiler::new([root.join("../../examples/config/teams/orders/proto")]).unwrap();

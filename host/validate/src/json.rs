@@ -168,10 +168,14 @@ impl Reader<'_> {
             self.eat(b':')?;
             self.ws();
             let v = self.value()?;
-            if map.contains_key(&key) {
-                return Err(JsonError { reason: Reason::DuplicateKey, offset: at });
+            match map.entry(key) {
+                serde_json::map::Entry::Vacant(e) => {
+                    e.insert(v);
+                }
+                serde_json::map::Entry::Occupied(_) => {
+                    return Err(JsonError { reason: Reason::DuplicateKey, offset: at });
+                }
             }
-            map.insert(key, v);
             self.ws();
             match self.peek() {
                 Some(b',') => self.i += 1,
