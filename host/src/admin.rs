@@ -64,6 +64,10 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             }
             if let Some(u) = &gw.usage {
                 crate::metrics::render_usage(&mut out, u);
+                crate::metrics::render_top_callers(&mut out, &u.top_callers());
+            }
+            if let Some(log) = &gw.access_log {
+                crate::metrics::render_access_log(&mut out, log);
             }
             text(StatusCode::OK, "text/plain; version=0.0.4", out)
         }

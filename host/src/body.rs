@@ -279,6 +279,30 @@ pub enum ResponseBody {
     Full(Option<Bytes>),
     /// Compressed as it streams (a route's `compress:`).
     Compressed(Box<Compressing>),
+    /// Counted as it streams for the access log, which gets its record when the body
+    /// ends, fails or is dropped (the client left).
+    Observed(Box<Observed>),
+}
+
+/// A body whose request is logged: its bytes are counted, and its end completes the
+/// record and queues it.
+#[derive(Debug)]
+pub struct Observed {
+    inner: ResponseBody,
+    record: Option<Box<postern_observe::Record>>,
+    log: std::sync::Arc<postern_observe::AccessLog>,
+    start: std::time::Instant,
+    ended: Option<&'static str>,
+}
+
+impl Drop for Observed {
+    fn drop(&mut self) {
+        if let Some(mut r) = self.record.take() {
+            r.total = self.start.elapsed();
+            r.body = self.ended.unwrap_or("client_gone");
+            self.log.submit(r);
+        }
+    }
 }
 
 /// A body being compressed: the inner body's frames, each compressed and flushed.
@@ -290,6 +314,17 @@ pub struct Compressing {
 }
 
 impl ResponseBody {
+    /// This body, counted for the access log's `record`, which is queued when it ends.
+    pub fn observed(
+        self,
+        record: Box<postern_observe::Record>,
+        log: std::sync::Arc<postern_observe::AccessLog>,
+        start: std::time::Instant,
+    ) -> ResponseBody {
+        let ended = self.is_end_stream().then_some("complete");
+        ResponseBody::Observed(Box::new(Observed { inner: self, record: Some(record), log, start, ended }))
+    }
+
     /// This body compressed with `coding` as it streams.
     pub fn compressed(self, coding: crate::compress::Coding) -> Result<ResponseBody, std::io::Error> {
         let encoder = crate::compress::Encoder::new(coding)?;
@@ -331,6 +366,23 @@ impl Body for ResponseBody {
                 }
             },
             ResponseBody::Full(b) => Poll::Ready(b.take().map(|d| Ok(Frame::data(d)))),
+            ResponseBody::Observed(o) => {
+                let polled = Pin::new(&mut o.inner).poll_frame(cx);
+                match &polled {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let (Some(d), Some(r)) = (frame.data_ref(), o.record.as_mut()) {
+                            r.bytes_out += d.len() as u64;
+                        }
+                    }
+                    Poll::Ready(Some(Err(_))) => o.ended = Some("error"),
+                    Poll::Ready(None) => o.ended = Some("complete"),
+                    Poll::Pending => {}
+                }
+                if o.ended.is_none() && o.inner.is_end_stream() {
+                    o.ended = Some("complete");
+                }
+                polled
+            }
             ResponseBody::Compressed(c) => loop {
                 let Some(encoder) = c.encoder.as_mut() else {
                     // Compressed whole: the inner body's trailers, if any, come last.
@@ -366,6 +418,7 @@ impl Body for ResponseBody {
             ResponseBody::Upstream { body, .. } => body.is_end_stream(),
             ResponseBody::Full(b) => b.is_none(),
             ResponseBody::Compressed(c) => c.encoder.is_none() && c.trailers.is_none(),
+            ResponseBody::Observed(o) => o.inner.is_end_stream(),
         }
     }
 
@@ -374,6 +427,7 @@ impl Body for ResponseBody {
             ResponseBody::Upstream { body, .. } => body.size_hint(),
             ResponseBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64)),
             ResponseBody::Compressed(_) => SizeHint::default(),
+            ResponseBody::Observed(o) => o.inner.size_hint(),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::io::Write;
 
 use bytes::Bytes;
 use http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, ETAG, VARY};
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 
 /// A content coding the gateway compresses responses with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,15 +89,9 @@ pub fn compressible(content_type: Option<&HeaderValue>) -> bool {
 
 /// Whether to compress this answer, and with what: the route opted in with `min_bytes`,
 /// the client accepts a coding, and the answer is a body worth it.
-pub fn choose(
-    min_bytes: u64,
-    method: &Method,
-    want: Option<Coding>,
-    status: StatusCode,
-    h: &HeaderMap,
-) -> Option<Coding> {
+pub fn choose(min_bytes: u64, head: bool, want: Option<Coding>, status: StatusCode, h: &HeaderMap) -> Option<Coding> {
     let coding = want?;
-    if *method == Method::HEAD
+    if head
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
         || status == StatusCode::PARTIAL_CONTENT
@@ -234,15 +228,15 @@ mod tests {
     fn chooses_only_bodies_worth_it() {
         let mut h = HeaderMap::new();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json; charset=utf-8"));
-        let ok = |h: &HeaderMap| choose(1024, &Method::GET, Some(Coding::Gzip), StatusCode::OK, h);
+        let ok = |h: &HeaderMap| choose(1024, false, Some(Coding::Gzip), StatusCode::OK, h);
         assert_eq!(ok(&h), Some(Coding::Gzip));
         h.insert(CONTENT_LENGTH, HeaderValue::from_static("100"));
         assert_eq!(ok(&h), None, "small");
         h.insert(CONTENT_LENGTH, HeaderValue::from_static("5000"));
         assert_eq!(ok(&h), Some(Coding::Gzip));
-        assert_eq!(choose(1024, &Method::HEAD, Some(Coding::Gzip), StatusCode::OK, &h), None);
-        assert_eq!(choose(1024, &Method::GET, Some(Coding::Gzip), StatusCode::PARTIAL_CONTENT, &h), None);
-        assert_eq!(choose(1024, &Method::GET, None, StatusCode::OK, &h), None);
+        assert_eq!(choose(1024, true, Some(Coding::Gzip), StatusCode::OK, &h), None);
+        assert_eq!(choose(1024, false, Some(Coding::Gzip), StatusCode::PARTIAL_CONTENT, &h), None);
+        assert_eq!(choose(1024, false, None, StatusCode::OK, &h), None);
         let mut img = h.clone();
         img.insert(CONTENT_TYPE, HeaderValue::from_static("image/png"));
         assert_eq!(ok(&img), None, "already compressed");

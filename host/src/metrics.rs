@@ -60,6 +60,46 @@ pub struct RouteMetrics {
     pub latency: Histogram,
     /// Time the gateway itself added (total minus waiting for the backend).
     pub added: Histogram,
+    /// 5xx answers the gateway (or a filter) made itself; the rest of `by_class[5]`
+    /// came from the backend.
+    gateway_5xx: AtomicU64,
+    /// 401, 403 and 429 answers.
+    denied: [AtomicU64; 3],
+}
+
+/// The statuses counted per route as refusals.
+const DENIED: [u16; 3] = [401, 403, 429];
+
+/// Counters by status class (index 1..=5 for 1xx..5xx, 0 for anything else).
+#[derive(Debug, Default)]
+struct Classes([AtomicU64; 6]);
+
+impl Classes {
+    fn count(&self, status: u16) {
+        let class = usize::from(status / 100);
+        let i = if (1..=5).contains(&class) { class } else { 0 };
+        if let Some(c) = self.0.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// `(class label, count)` of the classes counted at all.
+    fn counted(&self) -> impl Iterator<Item = (String, u64)> + '_ {
+        self.0.iter().enumerate().filter_map(|(i, c)| {
+            let n = c.load(Ordering::Relaxed);
+            (n > 0).then(|| (if i == 0 { "other".to_owned() } else { format!("{i}xx") }, n))
+        })
+    }
+}
+
+/// Plans counted on their own; callers of further plans count as `other`.
+const PLAN_SLOTS: usize = 16;
+
+/// One plan's counters: the slot is claimed by the first request of the plan.
+#[derive(Debug, Default)]
+struct PlanSlot {
+    name: std::sync::OnceLock<bytes::Bytes>,
+    classes: Classes,
 }
 
 impl RouteMetrics {
@@ -69,6 +109,19 @@ impl RouteMetrics {
             n: self.by_class.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
             e5: self.by_class[5].load(Ordering::Relaxed),
             h: self.latency.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect(),
+        }
+    }
+
+    /// Counts who made a response: the gateway's own 5xx apart from the backend's, and
+    /// the refusals (401, 403, 429).
+    pub fn count_origin(&self, status: u16, by_gateway: bool) {
+        if status >= 500 && by_gateway {
+            self.gateway_5xx.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(i) = DENIED.iter().position(|&d| d == status)
+            && let Some(c) = self.denied.get(i)
+        {
+            c.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -153,6 +206,12 @@ pub struct Metrics {
     pub credentials_failed: AtomicU64,
     /// Version of the live credential state.
     pub credentials_version: AtomicU64,
+    /// Responses by pool (public, partner) and status class.
+    pools: [Classes; 2],
+    /// Responses by the caller's plan and status class (a bounded set of plans).
+    plans: [PlanSlot; PLAN_SLOTS],
+    /// Responses of callers of plans past the slots, and of callers with no plan.
+    other_plans: Classes,
 }
 
 impl Metrics {
@@ -199,6 +258,29 @@ impl Metrics {
         out
     }
 
+    /// Counts a response by the listener's pool.
+    pub fn count_pool(&self, pool: postern_model::Pool, status: u16) {
+        let i = usize::from(pool == postern_model::Pool::Partner);
+        if let Some(c) = self.pools.get(i) {
+            c.count(status);
+        }
+    }
+
+    /// Counts a response of an authenticated caller by its plan: the first
+    /// [`PLAN_SLOTS`] plans seen have their own series, the rest count as `other`.
+    /// Lock-free; nothing is allocated once a plan has its slot.
+    pub fn count_plan(&self, plan: Option<&bytes::Bytes>, status: u16) {
+        let Some(plan) = plan else { return };
+        for slot in &self.plans {
+            let name = slot.name.get_or_init(|| plan.clone());
+            if name == plan {
+                slot.classes.count(status);
+                return;
+            }
+        }
+        self.other_plans.count(status);
+    }
+
     /// Counts a response the gateway made itself.
     pub fn problem(&self, code: &str) {
         let i = PROBLEM_CODES.iter().position(|c| *c == code).unwrap_or(PROBLEM_CODES.len() - 1);
@@ -230,6 +312,45 @@ impl Metrics {
                 }
                 let class = if i == 0 { "other".to_owned() } else { format!("{i}xx") };
                 let _ = writeln!(out, "postern_requests_total{{route=\"{route}\",status=\"{class}\"}} {n}");
+            }
+        }
+        out.push_str("# HELP postern_responses_5xx_total 5xx responses by route and origin: made by the gateway (or a filter) or by the backend.\n");
+        out.push_str("# TYPE postern_responses_5xx_total counter\n");
+        for (route, m) in &all {
+            let total = m.by_class[5].load(Ordering::Relaxed);
+            let gateway = m.gateway_5xx.load(Ordering::Relaxed).min(total);
+            let _ = writeln!(out, "postern_responses_5xx_total{{route=\"{route}\",origin=\"gateway\"}} {gateway}");
+            let _ = writeln!(
+                out,
+                "postern_responses_5xx_total{{route=\"{route}\",origin=\"upstream\"}} {}",
+                total - gateway
+            );
+        }
+        out.push_str("# HELP postern_responses_denied_total Refusals by route: 401 (credentials), 403 (scope or plan) and 429 (rate or quota).\n");
+        out.push_str("# TYPE postern_responses_denied_total counter\n");
+        for (route, m) in &all {
+            for (status, c) in DENIED.iter().zip(&m.denied) {
+                let _ = writeln!(
+                    out,
+                    "postern_responses_denied_total{{route=\"{route}\",status=\"{status}\"}} {}",
+                    c.load(Ordering::Relaxed)
+                );
+            }
+        }
+        out.push_str("# HELP postern_pool_requests_total Responses by listener pool and status class.\n");
+        out.push_str("# TYPE postern_pool_requests_total counter\n");
+        for (pool, c) in ["public", "partner"].iter().zip(&self.pools) {
+            for (class, n) in c.counted() {
+                let _ = writeln!(out, "postern_pool_requests_total{{pool=\"{pool}\",status=\"{class}\"}} {n}");
+            }
+        }
+        out.push_str("# HELP postern_plan_requests_total Responses to authenticated callers by plan and status class (16 plans at most; further ones are `other`).\n");
+        out.push_str("# TYPE postern_plan_requests_total counter\n");
+        let plans =
+            self.plans.iter().filter_map(|p| p.name.get().map(|n| (escape(&String::from_utf8_lossy(n)), &p.classes)));
+        for (plan, c) in plans.chain(std::iter::once(("other".to_owned(), &self.other_plans))) {
+            for (class, n) in c.counted() {
+                let _ = writeln!(out, "postern_plan_requests_total{{plan=\"{plan}\",status=\"{class}\"}} {n}");
             }
         }
         out.push_str("# HELP postern_request_duration_seconds Time from request to response head.\n");
@@ -459,11 +580,67 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
     write_rows(out, &rows);
 }
 
+/// The busiest callers of the last closed usage window (10 s): a bounded top-K for
+/// live operations; per-key history is the usage store's, never a metric label.
+pub fn render_top_callers(out: &mut String, top: &[postern_usage::TopCaller]) {
+    let families: [(&str, &str, fn(&postern_usage::TopCaller) -> u64); 2] = [
+        (
+            "postern_top_caller_calls",
+            "Calls of the busiest callers in the last closed 10 s usage window (at most 10 series).",
+            |t| t.calls,
+        ),
+        ("postern_top_caller_5xx", "5xx answers of the busiest callers in the last closed usage window.", |t| t.errors),
+    ];
+    for (name, help, value) in families {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (rank, t) in top.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}{{rank=\"{}\",kind=\"{}\",caller=\"{}\"}} {}",
+                rank + 1,
+                t.kind.as_str(),
+                escape(&t.caller),
+                value(t)
+            );
+        }
+    }
+}
+
+/// The access log's counters: lines written, dropped at a full queue, lost.
+pub fn render_access_log(out: &mut String, log: &postern_observe::AccessLog) {
+    let s = &log.stats;
+    let rows: [(&str, &str, &str, u64); 7] = [
+        (
+            "postern_access_log_lines_total{outcome=\"written\"}",
+            "counter",
+            "Access-log lines, by outcome: written to the file, dropped at a full queue (the request did not wait), or lost to a failed write.",
+            s.written.load(Ordering::Relaxed),
+        ),
+        ("postern_access_log_lines_total{outcome=\"dropped\"}", "", "", s.dropped.load(Ordering::Relaxed)),
+        ("postern_access_log_lines_total{outcome=\"failed\"}", "", "", s.failed.load(Ordering::Relaxed)),
+        (
+            "postern_access_log_rotations_total",
+            "counter",
+            "Access-log files rotated.",
+            s.rotations.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_access_log_stream_total{outcome=\"sent\"}",
+            "counter",
+            "Access-log lines handed to the stream (Kafka), by outcome: sent, refused, or undelivered after all.",
+            s.sent.load(Ordering::Relaxed),
+        ),
+        ("postern_access_log_stream_total{outcome=\"refused\"}", "", "", s.sink_failed.load(Ordering::Relaxed)),
+        ("postern_access_log_stream_total{outcome=\"undelivered\"}", "", "", s.undelivered.load(Ordering::Relaxed)),
+    ];
+    write_rows(out, &rows);
+}
+
 /// Each cluster's breaker and in-flight requests on this node (a series per cluster, a
 /// bounded set: clusters come from the platform's config).
 pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upstream>]) {
     let now = std::time::Instant::now();
-    let families: [(&str, &str, &str); 8] = [
+    let families: [(&str, &str, &str); 9] = [
         (
             "postern_upstream_breaker_open",
             "gauge",
@@ -484,6 +661,11 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
             "The cluster's hosts out after failing in a row (outlier ejection).",
         ),
         ("postern_upstream_ejections_total", "counter", "Times one of the cluster's hosts was ejected."),
+        (
+            "postern_upstream_connections",
+            "gauge",
+            "Connections open to the cluster's hosts (climbing: a slow backend holding the node's connections).",
+        ),
     ];
     for (i, (name, kind, help)) in families.iter().enumerate() {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -497,7 +679,8 @@ pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upst
                 4 => u.budget.retried(),
                 5 => u.budget.denied(),
                 6 => u.hosts.ejected(now).0 as u64,
-                _ => u.hosts.ejected(now).1,
+                7 => u.hosts.ejected(now).1,
+                _ => u.open_connections(),
             };
             let _ = writeln!(out, "{name}{{cluster=\"{}\"}} {v}", escape(&u.name));
         }
@@ -585,6 +768,38 @@ mod tests {
         assert!(out.contains("x_bucket{a=\"b\",le=\"0.0005\"} 2"), "{out}");
         assert!(out.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3"), "{out}");
         assert!(out.contains("x_count{a=\"b\"} 3"), "{out}");
+    }
+
+    #[test]
+    fn origins_refusals_pools_and_a_bounded_set_of_plans() {
+        let m = Metrics::default();
+        let id: Arc<str> = Arc::from("team/r");
+        let r = m.route(&id);
+        for (status, by_gateway) in [(502, true), (503, false), (503, false), (401, true), (429, true), (200, false)] {
+            r.count(status);
+            r.count_origin(status, by_gateway);
+        }
+        m.count_pool(postern_model::Pool::Partner, 200);
+        for i in 0..20 {
+            m.count_plan(Some(&bytes::Bytes::from(format!("plan-{i}"))), 200);
+        }
+        m.count_plan(Some(&bytes::Bytes::from_static(b"plan-0")), 500);
+        m.count_plan(None, 200);
+        let text = m.render();
+        for want in [
+            "postern_responses_5xx_total{route=\"team/r\",origin=\"gateway\"} 1",
+            "postern_responses_5xx_total{route=\"team/r\",origin=\"upstream\"} 2",
+            "postern_responses_denied_total{route=\"team/r\",status=\"401\"} 1",
+            "postern_responses_denied_total{route=\"team/r\",status=\"403\"} 0",
+            "postern_responses_denied_total{route=\"team/r\",status=\"429\"} 1",
+            "postern_pool_requests_total{pool=\"partner\",status=\"2xx\"} 1",
+            "postern_plan_requests_total{plan=\"plan-0\",status=\"5xx\"} 1",
+            "postern_plan_requests_total{plan=\"plan-15\",status=\"2xx\"} 1",
+            "postern_plan_requests_total{plan=\"other\",status=\"2xx\"} 4",
+        ] {
+            assert!(text.contains(want), "{want} in\n{text}");
+        }
+        assert!(!text.contains("plan-16"), "sixteen plans at most");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::uri::PathAndQuery;
-use http::{HeaderName, HeaderValue, Request, Response, Uri, Version};
+use http::{HeaderName, HeaderValue, Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
 use postern_filter_contract::{Context, Flow, Identity, Payer, Reply, RequestHead, ResponseFlow};
@@ -51,6 +51,8 @@ pub struct Gateway {
     pub credentials_writer: std::sync::Mutex<()>,
     /// Usage metering: every answered call of an authenticated caller is counted.
     pub usage: Option<Arc<postern_usage::Usage>>,
+    /// The JSON access log, when the node writes one.
+    pub access_log: Option<Arc<postern_observe::AccessLog>>,
     /// Priority shedding on the node's CPU.
     pub shed: crate::shedding::NodeShed,
     /// The node's admission budget, with the partner pool's share.
@@ -154,6 +156,24 @@ struct Exchange<'l> {
     waited: Duration,
     /// The chosen backend's own counters, on a route split across backends.
     backend: Option<&'l crate::metrics::RouteMetrics>,
+    /// The request's random id (its trace id unless the client sent one), which also
+    /// decides whether a success is sampled for the access log.
+    trace: u128,
+    /// Request-phase filters that let the request go on (the next one, if any, answered).
+    passed: u8,
+    /// The listener's pool.
+    pool: postern_model::Pool,
+    /// What the access log needs of the request, when the node keeps one.
+    seen: Option<Box<Seen>>,
+}
+
+/// The request as it arrived, kept for the access log (clones of shared bytes).
+struct Seen {
+    at: std::time::SystemTime,
+    method: http::Method,
+    uri: Uri,
+    length: Option<u64>,
+    snapshot: u64,
 }
 
 /// Serves one request: every way it can end goes through [`Exchange::finish`].
@@ -161,7 +181,27 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let start = Instant::now();
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
-    let mut ex = Exchange { start, rid, route: None, cx: None, waited: Duration::ZERO, backend: None };
+    let seen = gw.access_log.as_ref().map(|_| {
+        Box::new(Seen {
+            at: std::time::SystemTime::now(),
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            length: req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()),
+            snapshot: live.version,
+        })
+    });
+    let mut ex = Exchange {
+        start,
+        rid,
+        route: None,
+        cx: None,
+        waited: Duration::ZERO,
+        backend: None,
+        trace,
+        passed: 0,
+        pool: conn.pool,
+        seen,
+    };
     let admitted = gw.admission.admit(conn.pool);
     let result = match admitted {
         Some(_) => forward(&gw, &conn, &live, &mut ex, trace, req).await,
@@ -177,19 +217,24 @@ impl Exchange<'_> {
     /// stamps what every response carries (`x-request-id`, the route's response headers,
     /// the rate-limit state), and counts it — status class, latency and gateway-added
     /// latency, per route, and the problem code.
-    fn finish(self, gw: &Gateway, result: Result<Response<ResponseBody>, Ending>) -> Response<ResponseBody> {
-        let mut resp = match result {
-            Ok(resp) => resp,
+    fn finish(mut self, gw: &Gateway, result: Result<Response<ResponseBody>, Ending>) -> Response<ResponseBody> {
+        // `Some(code)` when the gateway (or a filter) made the answer.
+        let (mut resp, made) = match result {
+            Ok(resp) => (resp, None),
             Err(Ending::Reply(reply)) => {
-                if let Reply::Problem(p) = &reply {
-                    gw.metrics.problem(p.code);
-                }
-                respond::reply(reply, &self.rid)
+                let code = match &reply {
+                    Reply::Problem(p) => {
+                        gw.metrics.problem(p.code);
+                        Some(p.code)
+                    }
+                    _ => None,
+                };
+                (respond::reply(reply, &self.rid), Some(code))
             }
             Err(Ending::Error(e)) => {
                 let p = respond::error(&e);
                 gw.metrics.problem(p.code);
-                respond::problem(&p, &self.rid)
+                (respond::problem(&p, &self.rid), Some(Some(p.code)))
             }
         };
         if matches!(resp.status().as_u16(), 204 | 304) {
@@ -212,10 +257,14 @@ impl Exchange<'_> {
             h.insert(RATELIMIT_POLICY, policy.clone());
             h.insert(RATELIMIT, state.clone());
         }
-        h.insert(X_REQUEST_ID, self.rid);
+        h.insert(X_REQUEST_ID, self.rid.clone());
         let m = self.route.map_or(&gw.metrics.unrouted, |r| &*r.metrics);
         let status = resp.status().as_u16();
         m.count(status);
+        m.count_origin(status, made.is_some());
+        gw.metrics.count_pool(self.pool, status);
+        let plan = self.cx.as_ref().and_then(Context::identity).and_then(|i| i.plan.as_ref());
+        gw.metrics.count_plan(plan, status);
         let now = Instant::now();
         let total = now.saturating_duration_since(self.start);
         if let (Some(usage), Some(route)) = (&gw.usage, self.route)
@@ -243,7 +292,72 @@ impl Exchange<'_> {
             b.count(status);
             b.latency.observe(total);
         }
+        if let Some(log) = &gw.access_log
+            && log.wants(status, self.trace)
+            && let Some(seen) = self.seen.take()
+        {
+            let record = self.record(&seen, status, made, total);
+            let (parts, body) = resp.into_parts();
+            return Response::from_parts(parts, body.observed(record, log.clone(), self.start));
+        }
         resp
+    }
+
+    /// The access-log record of this request; the body's end fills in sizes and time.
+    fn record(
+        &self,
+        seen: &Seen,
+        status: u16,
+        made: Option<Option<&'static str>>,
+        head: Duration,
+    ) -> Box<postern_observe::Record> {
+        let id = self.cx.as_ref().and_then(Context::identity);
+        let caller = id.and_then(Identity::caller).map(|(payer, c)| {
+            let kind = match payer {
+                Payer::Key => postern_observe::log::CallerKind::Key,
+                Payer::App => postern_observe::log::CallerKind::App,
+            };
+            (kind, String::from_utf8_lossy(c).into_owned())
+        });
+        let filters = self.route.map_or_else(Vec::new, |r| {
+            let passed = usize::from(self.passed);
+            let answered = made.is_some() && self.cx.is_some() && passed < r.filter_names.len();
+            r.filter_names
+                .iter()
+                .take(passed + usize::from(answered))
+                .enumerate()
+                .map(|(i, name)| postern_observe::log::FilterOutcome {
+                    name: name.to_string(),
+                    outcome: match (i < passed, made) {
+                        (true, _) => "continue",
+                        (false, Some(Some("filter_failed"))) => "failed",
+                        (false, _) => "answered",
+                    },
+                })
+                .collect()
+        });
+        Box::new(postern_observe::Record {
+            at: Some(seen.at),
+            request_id: String::from_utf8_lossy(self.rid.as_bytes()).into_owned(),
+            trace_id: format!("{:032x}", self.trace),
+            pool: self.pool.as_str(),
+            method: seen.method.as_str().to_owned(),
+            path: seen.uri.path().to_owned(),
+            route: self.route.map(|r| r.id.to_string()),
+            caller,
+            plan: id.and_then(|i| i.plan.as_ref()).map(|p| String::from_utf8_lossy(p).into_owned()),
+            status,
+            code: made.flatten(),
+            origin: if made.is_some() { "gateway" } else { "upstream" },
+            bytes_in: seen.length,
+            bytes_out: 0,
+            head,
+            total: head,
+            upstream: self.waited,
+            snapshot: seen.snapshot,
+            filters,
+            body: "complete",
+        })
     }
 }
 
@@ -252,6 +366,7 @@ async fn run_request_filters(
     filters: &[Arc<dyn postern_filter_contract::Filter>],
     parts: &mut RequestHead,
     cx: &Context,
+    passed: &mut u8,
 ) -> Result<(), Ending> {
     for f in filters {
         match f.on_request(parts, cx) {
@@ -259,6 +374,7 @@ async fn run_request_filters(
             Flow::Respond(r) => return Err(Ending::Reply(r)),
             Flow::Wait(fut) => fut.await.map_err(Ending::Reply)?,
         }
+        *passed = passed.saturating_add(1);
     }
     Ok(())
 }
@@ -345,7 +461,7 @@ async fn forward<'l>(
     // class and its backend, are known before any other filter runs.
     let (first, rest) = route.filters.split_at(usize::from(route.product.is_some()).min(route.filters.len()));
     if let Some(cx) = cx {
-        run_request_filters(first, &mut parts, cx).await?;
+        run_request_filters(first, &mut parts, cx, &mut ex.passed).await?;
     }
 
     // On authenticated routes the caller is its API key, or its app for tokens.
@@ -366,7 +482,7 @@ async fn forward<'l>(
     let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
         .map_err(ProxyError::Shed)?;
     if let Some(cx) = cx {
-        run_request_filters(rest, &mut parts, cx).await?;
+        run_request_filters(rest, &mut parts, cx, &mut ex.passed).await?;
         crate::canon::check_edited_path(&parts, &live.paths)?;
     }
     // On routes that validate: the parameters and the body's media type, before the
@@ -430,10 +546,7 @@ async fn forward<'l>(
     if call.is_some() {
         // The call's gRPC headers are the gateway's alone (a client's `grpc-encoding`
         // would have the backend compress an answer the gateway reads).
-        let theirs: Vec<HeaderName> = h.keys().filter(|k| k.as_str().starts_with("grpc-")).cloned().collect();
-        for k in theirs {
-            h.remove(k);
-        }
+        postern_transcode::strip_grpc_headers(h);
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         h.insert(http::header::TE, HeaderValue::from_static("trailers"));
         if let Ok(v) = HeaderValue::from_str(&postern_transcode::timeout_header(left)) {
@@ -516,8 +629,9 @@ async fn forward<'l>(
         _ => None,
     };
     // What the client accepts, kept for the answer (the request goes on to the backend).
-    let compress =
-        route.compress.and_then(|min| Some((min, crate::compress::negotiate(&parts.headers)?, parts.method.clone())));
+    let compress = route
+        .compress
+        .and_then(|min| Some((min, crate::compress::negotiate(&parts.headers)?, parts.method == Method::HEAD)));
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     if upstream.has_other() {
@@ -541,8 +655,7 @@ async fn forward<'l>(
     let body = match &call {
         None => ResponseBody::Upstream { body: rb, stall: Stall::new(body_idle, body_until), permit: Some(permit) },
         Some(m) => {
-            let left = route.response_timeout.saturating_sub(ex.start.elapsed());
-            let json = grpc_answer(m, &mut rp, rb, left, route.response_timeout).await?;
+            let json = grpc_answer(m, &mut rp, rb, route.response_timeout, ex.start).await?;
             // The call is over: its place in the cluster's cap is free.
             drop(permit);
             ResponseBody::full(json)
@@ -557,7 +670,7 @@ async fn forward<'l>(
         }
     }
     let body = match compress
-        .and_then(|(min, want, method)| crate::compress::choose(min, &method, Some(want), rp.status, &rp.headers))
+        .and_then(|(min, want, head)| crate::compress::choose(min, head, Some(want), rp.status, &rp.headers))
     {
         None => body,
         Some(coding) => {
@@ -598,9 +711,10 @@ async fn grpc_answer(
     m: &postern_transcode::Matched<'_>,
     rp: &mut http::response::Parts,
     rb: Incoming,
-    left: Duration,
     timeout: Duration,
+    start: Instant,
 ) -> Result<Vec<u8>, ProxyError> {
+    let left = timeout.saturating_sub(start.elapsed());
     let limited = http_body_util::Limited::new(rb, MAX_GRPC_ANSWER);
     let collected = match tokio::time::timeout(left, limited.collect()).await {
         Err(_) => return Err(ProxyError::ResponseTimeout { timeout }),
@@ -620,10 +734,7 @@ async fn grpc_answer(
             let h = &mut rp.headers;
             h.remove(CONTENT_LENGTH);
             h.remove(http::header::TRAILER);
-            let grpc: Vec<HeaderName> = h.keys().filter(|k| k.as_str().starts_with("grpc-")).cloned().collect();
-            for k in grpc {
-                h.remove(k);
-            }
+            postern_transcode::strip_grpc_headers(h);
             let ct = if m.binding.server_streaming() { "application/x-ndjson" } else { "application/json" };
             h.insert(CONTENT_TYPE, HeaderValue::from_static(ct));
             Ok(json)

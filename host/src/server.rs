@@ -196,6 +196,33 @@ pub struct Args {
     /// may hold only the rest.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub partner_share: u32,
+    /// Write JSON access logs to this file: one line for every error (status 400 and
+    /// above) and for a share of successes (`--access-log-sample`), by a thread of their
+    /// own behind a bounded queue (when it is full a line is dropped and counted; a
+    /// request never waits). Lines name the caller by key id or client_id, never by a
+    /// credential.
+    #[arg(long, value_name = "FILE")]
+    pub access_log: Option<PathBuf>,
+    /// The share of successful requests logged, from 0 to 1 (the same requests are the
+    /// sampled ones for traces).
+    #[arg(long, default_value_t = 0.01, value_name = "FRACTION", value_parser = parse_fraction)]
+    pub access_log_sample: f64,
+    /// The access log is rotated once it would pass this size (`FILE.1` is the newest).
+    #[arg(long, default_value = "100MiB", value_parser = parse_size)]
+    pub access_log_max_size: u64,
+    /// Rotated access logs kept.
+    #[arg(long, default_value_t = 5)]
+    pub access_log_keep: u32,
+    /// Also send each access-log line to this Kafka topic on the `--usage-kafka`
+    /// brokers, keyed by the caller (best effort: the file keeps every line).
+    #[arg(long, value_name = "TOPIC", requires_all = ["usage_kafka", "access_log"])]
+    pub access_log_kafka_topic: Option<String>,
+}
+
+/// A fraction from 0 to 1.
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number"))?;
+    postern_observe::LogSettings::rate(f).map(|_| f)
 }
 
 /// A size: bytes, or a number with `KiB`, `MiB` or `GiB`.
@@ -828,6 +855,37 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let access_log = match &args.access_log {
+        Some(path) => {
+            let mut settings = postern_observe::LogSettings::new(path.clone());
+            settings.success_per_10k =
+                postern_observe::LogSettings::rate(args.access_log_sample).map_err(anyhow::Error::msg)?;
+            settings.max_bytes = args.access_log_max_size;
+            settings.keep = args.access_log_keep;
+            let sink: Option<Box<dyn postern_observe::LineSink>> =
+                match (&args.access_log_kafka_topic, &args.usage_kafka) {
+                    (Some(topic), Some(brokers)) => {
+                        let settings = postern_usage::kafka::KafkaSettings {
+                            brokers: brokers.clone(),
+                            topic: topic.clone(),
+                            options: postern_model::usage::kafka_options(&args.usage_kafka_option)
+                                .map_err(anyhow::Error::msg)?,
+                            missing_poll: Duration::from_secs(30),
+                        };
+                        Some(Box::new(
+                            postern_usage::kafka::KafkaLines::new(&settings, topic, &node_id)
+                                .context("the access log's Kafka topic")?,
+                        ))
+                    }
+                    _ => None,
+                };
+            let log = postern_observe::AccessLog::start(settings, sink)
+                .with_context(|| format!("cannot open the access log {}", path.display()))?;
+            tracing::info!(path = %path.display(), sample = args.access_log_sample, kafka = ?args.access_log_kafka_topic, "access log on");
+            Some(log)
+        }
+        None => None,
+    };
     let gw = Arc::new(Gateway {
         live: ArcSwap::from_pointee(live),
         metrics,
@@ -837,6 +895,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         trust,
         credentials_writer: std::sync::Mutex::new(()),
         usage,
+        access_log,
         shed: crate::shedding::NodeShed::new(args.shed_cpu),
         admission: crate::shedding::Admission::new(args.max_in_flight, args.partner_share),
     });
@@ -906,6 +965,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(usage) = gw.usage.clone() {
         // Every window, the open one too, into the spool; one last send.
         let _ = tokio::task::spawn_blocking(move || usage.stop()).await;
+    }
+    if let Some(log) = gw.access_log.clone() {
+        let _ = tokio::task::spawn_blocking(move || log.shutdown()).await;
     }
     Ok(())
 }

@@ -70,6 +70,8 @@ pub struct Upstream {
     pub transport: crate::upstream::Transport,
     /// `https` for a TLS cluster, else `http`.
     pub scheme: http::uri::Scheme,
+    /// Open connections by backend host (the node's, across clusters).
+    conns: Arc<crate::upstream::Conns>,
 }
 
 /// The share of a cluster's cap, in percent, each class may fill (by rank: `critical`,
@@ -77,6 +79,16 @@ pub struct Upstream {
 pub const CAP_SHARE: [u64; 4] = [100, 90, 80, 70];
 
 impl Upstream {
+    /// Connections open to the cluster's hosts now (a host shared with another cluster
+    /// counts in both).
+    pub fn open_connections(&self) -> u64 {
+        let default = if self.scheme == http::uri::Scheme::HTTPS { 443 } else { 80 };
+        self.endpoints
+            .iter()
+            .map(|a| self.conns.open(&format!("{}:{}", a.host(), a.port_u16().unwrap_or(default))))
+            .sum()
+    }
+
     /// The host for a request (its index and authority): the less loaded of two drawn
     /// by weight among the hosts not ejected.
     pub fn pick(&self, now: std::time::Instant) -> Option<(usize, &Authority)> {
@@ -220,6 +232,8 @@ pub struct CompiledRoute {
     pub rewrite: Option<Rewrite>,
     /// Filters in order.
     pub filters: Vec<Arc<dyn Filter>>,
+    /// The filters' names, in the same order, for access logs and spans.
+    pub filter_names: Vec<Arc<str>>,
     /// Headers added to every response (deprecation, sunset, link).
     pub response_headers: Vec<(HeaderName, HeaderValue)>,
     /// Counters.
@@ -538,6 +552,7 @@ impl Builder {
     /// Builds a snapshot; refuses it whole if any route cannot be built.
     pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
         let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
+        let conns = self.clients.lock().unwrap_or_else(|p| p.into_inner()).conns.clone();
         let gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
         let mut staged: Vec<(String, Guards)> = Vec::with_capacity(snapshot.clusters.len());
         for (name, c) in &snapshot.clusters {
@@ -605,6 +620,7 @@ impl Builder {
                     reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
                     scheme: if c.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP },
                     transport: crate::upstream::Transport { http2: c.http2, tls: c.tls.clone() },
+                    conns: conns.clone(),
                 }),
             );
             staged.push((name.clone(), guards));
@@ -638,6 +654,17 @@ impl Builder {
             // The chain's order is decided in one place, `chain::chain`.
             let steps = chain::chain(r, &snapshot.plans).map_err(|e| err(e.to_string()))?;
             let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(steps.len());
+            let filter_names: Vec<Arc<str>> = steps
+                .iter()
+                .map(|step| match step {
+                    Step::Authenticate(_) => Arc::from("auth"),
+                    Step::RateLimit(_) => Arc::from("rate-limit"),
+                    Step::Configured(f) => match f.config.get("name").and_then(|n| n.as_str()) {
+                        Some(name) if f.kind == "wasm" => Arc::from(name),
+                        _ => Arc::from(f.kind.as_str()),
+                    },
+                })
+                .collect();
             for step in &steps {
                 let built = match step {
                     Step::Configured(f) if f.kind == "wasm" => self.wasm_filter(&id, &f.config).map_err(err)?,
@@ -709,6 +736,7 @@ impl Builder {
                 product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
                 rewrite,
                 filters,
+                filter_names,
                 response_headers,
                 retry: RetryRule::new(&r.retry),
                 priority: r.priority,

@@ -573,6 +573,15 @@ pub fn outcome(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<(u32
     trailers.and_then(from).or_else(|| from(headers))
 }
 
+/// Removes every `grpc-*` header: a call's gRPC headers are the gateway's alone on the
+/// way in, and gRPC's own headers are not the JSON caller's on the way out.
+pub fn strip_grpc_headers(h: &mut http::HeaderMap) {
+    let grpc: Vec<http::HeaderName> = h.keys().filter(|k| k.as_str().starts_with("grpc-")).cloned().collect();
+    for k in grpc {
+        h.remove(k);
+    }
+}
+
 /// `grpc-timeout` for what is left of a deadline (at most 8 digits, in milliseconds).
 pub fn timeout_header(left: std::time::Duration) -> String {
     format!("{}m", left.as_millis().clamp(1, 99_999_999))

@@ -201,6 +201,70 @@ fn producer(settings: &KafkaSettings, node: &str) -> Result<BaseProducer<Deliver
     config.create_with_context(Deliveries(Mutex::new(Outcome::default())))
 }
 
+/// Access-log lines to their own topic (`--access-log-kafka-topic`), on the usage
+/// stream's brokers: best effort, not idempotent. A line is handed to librdkafka's own
+/// queue without waiting; a full queue or a failed delivery loses the line and counts it
+/// (the file keeps every line written).
+pub struct KafkaLines {
+    producer: BaseProducer<LineDeliveries>,
+    topic: String,
+    undelivered: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Counts lines librdkafka could not deliver.
+struct LineDeliveries(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl ClientContext for LineDeliveries {}
+
+impl ProducerContext for LineDeliveries {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if result.is_err() {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl KafkaLines {
+    /// A producer for `topic` on the usage stream's brokers.
+    pub fn new(settings: &KafkaSettings, topic: &str, node: &str) -> Result<KafkaLines, KafkaError> {
+        let undelivered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &settings.brokers)
+            .set("client.id", format!("postern-{node}-log"))
+            .set("acks", "1")
+            .set("linger.ms", "50")
+            .set("compression.type", "lz4")
+            .set("queue.buffering.max.messages", "100000")
+            .set("message.timeout.ms", DELIVERY_TIMEOUT.as_millis().to_string());
+        for (k, v) in &settings.options {
+            config.set(k, v);
+        }
+        let producer = config.create_with_context(LineDeliveries(undelivered.clone()))?;
+        Ok(KafkaLines { producer, topic: topic.to_owned(), undelivered })
+    }
+}
+
+impl postern_observe::LineSink for KafkaLines {
+    fn send(&mut self, key: &str, line: &[u8]) -> Result<(), String> {
+        self.producer.send(BaseRecord::to(&self.topic).key(key).payload(line)).map_err(|(e, _)| e.to_string())
+    }
+
+    fn poll(&mut self) {
+        self.producer.poll(Duration::ZERO);
+    }
+
+    fn flush(&mut self, timeout: Duration) {
+        let _ = self.producer.flush(timeout);
+    }
+
+    fn undelivered(&self) -> u64 {
+        self.undelivered.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// The CloudEvents `type` of a usage window part.
 pub const CE_TYPE: &str = "postern.usage.window";
 

@@ -150,6 +150,42 @@ pub struct Usage {
     ship_stop: AtomicBool,
     closer: Mutex<Option<std::thread::JoinHandle<()>>>,
     shipper: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The busiest callers of the last closed window, busiest first.
+    top: Mutex<Vec<TopCaller>>,
+}
+
+/// Callers [`Usage::top_callers`] keeps: a bounded set of series for live operations.
+pub const TOP_CALLERS: usize = 10;
+
+/// One of the busiest callers of a window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopCaller {
+    /// Key or app.
+    pub kind: postern_model::usage::CallerKind,
+    /// Its key id or `client_id`.
+    pub caller: String,
+    /// Calls in the window, every route.
+    pub calls: u64,
+    /// Of which 5xx.
+    pub errors: u64,
+}
+
+/// The [`TOP_CALLERS`] busiest callers of rows, busiest first (ties by name).
+pub fn busiest(rows: &[postern_model::usage::Row]) -> Vec<TopCaller> {
+    let mut by: std::collections::BTreeMap<(postern_model::usage::CallerKind, &str), (u64, u64)> =
+        std::collections::BTreeMap::new();
+    for r in rows {
+        let e = by.entry((r.kind, r.caller.as_str())).or_default();
+        e.0 += r.calls();
+        e.1 += r.status[4];
+    }
+    let mut all: Vec<TopCaller> = by
+        .into_iter()
+        .map(|((kind, caller), (calls, errors))| TopCaller { kind, caller: caller.to_owned(), calls, errors })
+        .collect();
+    all.sort_by(|a, b| b.calls.cmp(&a.calls).then_with(|| a.caller.cmp(&b.caller)));
+    all.truncate(TOP_CALLERS);
+    all
 }
 
 impl Usage {
@@ -191,6 +227,7 @@ impl Usage {
             ship_stop: AtomicBool::new(false),
             closer: Mutex::new(None),
             shipper: Mutex::new(None),
+            top: Mutex::new(Vec::new()),
         });
         usage.count_spooled()?;
         usage.recover()?;
@@ -309,8 +346,14 @@ impl Usage {
             return;
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut top = None;
         for (w, rows) in closed {
-            pending.push_back(Window::new(self.node.clone(), 0, w * WINDOW_S, false, meter::to_rows(&rows)));
+            let window = Window::new(self.node.clone(), 0, w * WINDOW_S, false, meter::to_rows(&rows));
+            top = Some(busiest(&window.rows));
+            pending.push_back(window);
+        }
+        if let Some(top) = top {
+            *self.top.lock().unwrap_or_else(|p| p.into_inner()) = top;
         }
         self.stats.pending.store(pending.len() as u64, Ordering::Relaxed);
     }
@@ -626,6 +669,11 @@ impl Usage {
         SpoolGauges { unacked: spool.unacked(), bytes: spool.bytes(), cap: spool.cap() }
     }
 
+    /// The busiest callers of the last closed window (at most [`TOP_CALLERS`]).
+    pub fn top_callers(&self) -> Vec<TopCaller> {
+        self.top.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// The spool's state for `/readyz`.
     pub fn state(&self) -> serde_json::Value {
         let spool = self.lock_spool();
@@ -779,5 +827,36 @@ impl Sink for HttpSink {
 
     fn report(&mut self, counters: &NodeCounters) -> Result<(), String> {
         self.put_counters(counters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use postern_model::usage::{CallerKind, LATENCY_BUCKETS, Row};
+
+    fn row(caller: &str, route: &str, status: [u64; 5]) -> Row {
+        Row {
+            caller: caller.into(),
+            kind: CallerKind::Key,
+            product: "p".into(),
+            route: route.into(),
+            status,
+            latency: vec![0; LATENCY_BUCKETS],
+            latency_us: 0,
+        }
+    }
+
+    #[test]
+    fn the_busiest_callers_are_summed_over_routes_and_bounded() {
+        let mut rows =
+            vec![row("a", "r1", [0, 5, 0, 0, 1]), row("a", "r2", [0, 5, 0, 0, 0]), row("b", "r1", [0, 7, 0, 0, 3])];
+        rows.extend((0..20).map(|i| row(&format!("k{i:02}"), "r1", [0, 1, 0, 0, 0])));
+        let top = busiest(&rows);
+        assert_eq!(top.len(), TOP_CALLERS);
+        assert_eq!((top[0].caller.as_str(), top[0].calls, top[0].errors), ("a", 11, 1));
+        assert_eq!((top[1].caller.as_str(), top[1].calls, top[1].errors), ("b", 10, 3));
+        assert_eq!(top[2].caller, "k00", "ties by name");
     }
 }
