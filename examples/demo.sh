@@ -101,7 +101,7 @@ started $!
 wait_up "$control/v1/status" "the control plane" "$state/control.log"
 POSTERN_TOKEN=$PLATFORM_TOKEN "$bin/posternctl" publish --control "$control" >/dev/null
 
-step "nodes following it: node-a (canary) on :8080/:8081/:9901, node-b on :8180/:8181/:9911 (logs: $state/node-*.log)"
+step "nodes following it: node-a (canary) on :8080/:8081/:9901, node-b on :8180/:8181/:9911 (logs: $state/node-*.log, access logs: $state/node-*/access.log)"
 for spec in node-a=8080,8081,9901 node-b=8180,8181,9911; do
   name=${spec%%=*}; IFS=, read -r pub part adm <<<"${spec#*=}"
   mkdir -p "$state/$name"
@@ -109,7 +109,7 @@ for spec in node-a=8080,8081,9901 node-b=8180,8181,9911; do
   POSTERN_CONTROL_TOKEN=$NODE_TOKEN "$bin/postern" --snapshot "$state/$name/snapshot.json" \
     --public "127.0.0.1:$pub" --partner "127.0.0.1:$part" --admin "127.0.0.1:$adm" \
     --node-id "$name" "${canary[@]}" --control "$control" --control-key "$state/store/signing.pub" \
-    --credentials-dir "$state/published" > "$state/$name.log" 2>&1 &
+    --credentials-dir "$state/published" --access-log "$state/$name/access.log" > "$state/$name.log" 2>&1 &
   started $!
   wait_up "http://127.0.0.1:$adm/readyz" "$name" "$state/$name.log"
 done
