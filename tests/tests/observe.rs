@@ -214,3 +214,86 @@ async fn per_key_usage_access_logs_and_bounded_metrics() {
     assert!(value(&metrics, "postern_upstream_connections{cluster=\"e\"}") >= 1, "pooled connections to e");
     assert!(metrics.contains("postern_top_caller_calls{rank=\"1\","), "{metrics}");
 }
+
+/// With `--access-log-kafka-topic`, each line also goes to its own topic on the usage
+/// stream's brokers (a real Kafka-protocol broker), keyed by the caller, and the file
+/// keeps it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_lines_reach_their_own_kafka_topic() {
+    use rdkafka::Message;
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+
+    let broker = postern_e2e::kafka::Broker::start();
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+        rdkafka::ClientConfig::new().set("bootstrap.servers", &broker.addr).create().unwrap();
+    let topic = NewTopic::new("postern.access", 1, TopicReplication::Fixed(1));
+    admin.create_topics([&topic], &AdminOptions::new()).await.unwrap();
+
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n",
+    );
+    let work = tempfile::tempdir().unwrap();
+    let snapshot = work.path().join("snapshot.json");
+    repo.compile_ok(&snapshot);
+    let log = work.path().join("access.log");
+    let spool = work.path().join("spool");
+    let node = Node::start(
+        &snapshot,
+        &[
+            "--usage-spool",
+            spool.to_str().unwrap(),
+            "--usage-kafka",
+            &broker.addr,
+            "--access-log",
+            log.to_str().unwrap(),
+            "--access-log-kafka-topic",
+            "postern.access",
+        ],
+    );
+    let mut ids = Vec::new();
+    for status in [500, 404, 503] {
+        let r = get(&node.url(&format!("/open?status={status}")), &[]).await;
+        assert_eq!(r.status.as_u16(), status);
+        ids.push(r.header("x-request-id").unwrap().to_owned());
+    }
+    assert_eq!(get(&node.url("/nope"), &[]).await.status.as_u16(), 404);
+
+    let addr = broker.addr.clone();
+    let got = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &addr)
+            .set("group.id", "observe-test")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .unwrap();
+        consumer.subscribe(&["postern.access"]).unwrap();
+        let mut got = Vec::new();
+        let end = std::time::Instant::now() + Duration::from_secs(30);
+        while got.len() < 4 && std::time::Instant::now() < end {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+                let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+                let v: serde_json::Value = serde_json::from_slice(m.payload().unwrap_or_default()).unwrap();
+                got.push((key, v));
+            }
+        }
+        got
+    })
+    .await
+    .unwrap();
+    assert_eq!(got.len(), 4, "{got:?}");
+    for (id, (key, line)) in ids.iter().zip(&got) {
+        assert_eq!(key, id, "a line without a caller is keyed by its request id");
+        assert_eq!(&line["request_id"], id.as_str());
+        assert_eq!(line["route"], "t/open");
+        assert_eq!(line["origin"], "upstream");
+    }
+    assert_eq!(got[3].1["code"], "route_not_found");
+    assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 4, "the file keeps every line too");
+    let metrics = String::from_utf8_lossy(&get(&node.admin_url("/metrics"), &[]).await.body).into_owned();
+    assert_eq!(value(&metrics, "postern_access_log_stream_total{outcome=\"sent\"}"), 4);
+}
