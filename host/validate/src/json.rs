@@ -78,6 +78,35 @@ pub fn parse_counted(body: &[u8], limits: &JsonLimits) -> Result<(Value, usize),
     Ok((v, r.values))
 }
 
+/// Where the run of plain string bytes from `i` ends: the first `"`, `\\` or control
+/// character, or the end. Eight bytes at a time (SWAR): in each word, a byte equal to
+/// `"` or `\\`, or below 0x20, sets its high bit in a mask. Borrows can only mark bytes
+/// above a true match, so the lowest mark is always exact.
+fn plain_run(s: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let zero_bytes = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
+    while let Some(chunk) = s.get(i..i + 8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let marks = zero_bytes(w ^ (ONES * u64::from(b'"')))
+            | zero_bytes(w ^ (ONES * u64::from(b'\\')))
+            | (w.wrapping_sub(ONES * 0x20) & !w & HIGH);
+        if marks != 0 {
+            return i + (marks.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&c) = s.get(i) {
+        if c == b'"' || c == b'\\' || c < 0x20 {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
 struct Reader<'a> {
     s: &'a [u8],
     text: &'a str,
@@ -299,22 +328,17 @@ impl Reader<'_> {
         let too_long = JsonError { reason: Reason::StringTooLong(self.limits.max_string_bytes), offset: start };
         // The plain run first: most strings have no escape.
         let run = self.i;
-        while let Some(&c) = self.s.get(self.i) {
-            if c == b'"' || c == b'\\' || c < 0x20 {
-                break;
-            }
-            self.i += 1;
-        }
-        let mut out = String::new();
+        self.i = plain_run(self.s, self.i);
         if self.peek() == Some(b'"') {
             if self.i - run > max {
                 return Err(too_long);
             }
-            out.push_str(&self.text[run..self.i]);
+            // One allocation of the exact size.
+            let out = String::from(&self.text[run..self.i]);
             self.i += 1;
             return Ok(out);
         }
-        out.push_str(&self.text[run..self.i]);
+        let mut out = String::from(&self.text[run..self.i]);
         loop {
             if out.len() > max {
                 return Err(too_long);
@@ -398,6 +422,29 @@ mod tests {
     fn reason(s: &str) -> (Reason, usize) {
         let e = parse(s.as_bytes(), &limits()).unwrap_err();
         (e.reason, e.offset)
+    }
+
+    #[test]
+    fn a_plain_run_stops_at_the_first_quote_backslash_or_control_byte() {
+        let naive = |s: &[u8], i: usize| {
+            s[i..].iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20).map_or(s.len(), |p| i + p)
+        };
+        let mut cases: Vec<Vec<u8>> = vec![b"".to_vec(), b"abc".to_vec(), "héllo wörld ünïcode €".as_bytes().to_vec()];
+        for stop in [b'"', b'\\', 0x00, 0x1f, b'\n'] {
+            for at in 0..20 {
+                let mut v: Vec<u8> = (0..24).map(|i| if i % 3 == 0 { 0xc3 } else { b'a' + i as u8 }).collect();
+                v[at] = stop;
+                // A later match of another kind must not win.
+                v[22] = b'"';
+                cases.push(v);
+            }
+        }
+        cases.push((0u8..=255).rev().collect());
+        for c in &cases {
+            for start in 0..c.len().min(9) {
+                assert_eq!(plain_run(c, start), naive(c, start), "{c:?} from {start}");
+            }
+        }
     }
 
     #[test]
