@@ -583,7 +583,8 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
 /// The busiest callers of the last closed usage window (10 s): a bounded top-K for
 /// live operations; per-key history is the usage store's, never a metric label.
 pub fn render_top_callers(out: &mut String, top: &[postern_usage::TopCaller]) {
-    let families: [(&str, &str, fn(&postern_usage::TopCaller) -> u64); 2] = [
+    type Family = (&'static str, &'static str, fn(&postern_usage::TopCaller) -> u64);
+    let families: [Family; 2] = [
         (
             "postern_top_caller_calls",
             "Calls of the busiest callers in the last closed 10 s usage window (at most 10 series).",
