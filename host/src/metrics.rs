@@ -54,8 +54,8 @@ impl Histogram {
 /// Counters of one route (or of requests that matched no route).
 #[derive(Debug, Default)]
 pub struct RouteMetrics {
-    /// Responses by status class: index 1..=5 for 1xx..5xx, 0 for anything else.
-    by_class: [AtomicU64; 6],
+    /// Responses by status class.
+    by_class: Classes,
     /// Total time until the response head was sent.
     pub latency: Histogram,
     /// Time the gateway itself added (total minus waiting for the backend).
@@ -106,8 +106,8 @@ impl RouteMetrics {
     /// Totals for a rollout report.
     pub fn totals(&self) -> RouteCounts {
         RouteCounts {
-            n: self.by_class.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
-            e5: self.by_class[5].load(Ordering::Relaxed),
+            n: self.by_class.0.iter().map(|c| c.load(Ordering::Relaxed)).sum(),
+            e5: self.by_class.0[5].load(Ordering::Relaxed),
             h: self.latency.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect(),
         }
     }
@@ -127,11 +127,7 @@ impl RouteMetrics {
 
     /// Counts one response.
     pub fn count(&self, status: u16) {
-        let class = usize::from(status / 100);
-        let i = if (1..=5).contains(&class) { class } else { 0 };
-        if let Some(c) = self.by_class.get(i) {
-            c.fetch_add(1, Ordering::Relaxed);
-        }
+        self.by_class.count(status);
     }
 }
 
@@ -305,19 +301,14 @@ impl Metrics {
         out.push_str("# HELP postern_requests_total Responses sent, by route and status class.\n");
         out.push_str("# TYPE postern_requests_total counter\n");
         for (route, m) in &all {
-            for (i, c) in m.by_class.iter().enumerate() {
-                let n = c.load(Ordering::Relaxed);
-                if n == 0 {
-                    continue;
-                }
-                let class = if i == 0 { "other".to_owned() } else { format!("{i}xx") };
+            for (class, n) in m.by_class.counted() {
                 let _ = writeln!(out, "postern_requests_total{{route=\"{route}\",status=\"{class}\"}} {n}");
             }
         }
         out.push_str("# HELP postern_responses_5xx_total 5xx responses by route and origin: made by the gateway (or a filter) or by the backend.\n");
         out.push_str("# TYPE postern_responses_5xx_total counter\n");
         for (route, m) in &all {
-            let total = m.by_class[5].load(Ordering::Relaxed);
+            let total = m.by_class.0[5].load(Ordering::Relaxed);
             let gateway = m.gateway_5xx.load(Ordering::Relaxed).min(total);
             let _ = writeln!(out, "postern_responses_5xx_total{{route=\"{route}\",origin=\"gateway\"}} {gateway}");
             let _ = writeln!(
@@ -372,15 +363,11 @@ impl Metrics {
             out.push_str("# TYPE postern_backend_requests_total counter\n");
             for ((route, backend), m) in &backends {
                 let (route, backend) = (escape(route), escape(backend));
-                for (i, c) in m.by_class.iter().enumerate() {
-                    let n = c.load(Ordering::Relaxed);
-                    if n > 0 {
-                        let class = if i == 0 { "other".to_owned() } else { format!("{i}xx") };
-                        let _ = writeln!(
-                            out,
-                            "postern_backend_requests_total{{route=\"{route}\",backend=\"{backend}\",status=\"{class}\"}} {n}"
-                        );
-                    }
+                for (class, n) in m.by_class.counted() {
+                    let _ = writeln!(
+                        out,
+                        "postern_backend_requests_total{{route=\"{route}\",backend=\"{backend}\",status=\"{class}\"}} {n}"
+                    );
                 }
             }
             out.push_str("# HELP postern_backend_request_duration_seconds Time from request to response head, by route and backend.\n");

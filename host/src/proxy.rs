@@ -164,12 +164,11 @@ struct Exchange<'l> {
     /// The listener's pool.
     pool: postern_model::Pool,
     /// What the access log needs of the request, when the node keeps one.
-    seen: Option<Box<Seen>>,
+    seen: Option<Seen>,
 }
 
 /// The request as it arrived, kept for the access log (clones of shared bytes).
 struct Seen {
-    at: std::time::SystemTime,
     method: http::Method,
     uri: Uri,
     length: Option<u64>,
@@ -181,14 +180,11 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let start = Instant::now();
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
-    let seen = gw.access_log.as_ref().map(|_| {
-        Box::new(Seen {
-            at: std::time::SystemTime::now(),
-            method: req.method().clone(),
-            uri: req.uri().clone(),
-            length: req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()),
-            snapshot: live.version,
-        })
+    let seen = gw.access_log.as_ref().map(|_| Seen {
+        method: req.method().clone(),
+        uri: req.uri().clone(),
+        length: req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()),
+        snapshot: live.version,
     });
     let mut ex = Exchange {
         start,
@@ -337,7 +333,8 @@ impl Exchange<'_> {
                 .collect()
         });
         Box::new(postern_observe::Record {
-            at: Some(seen.at),
+            // The arrival's wall-clock time, derived only for a request that is logged.
+            at: std::time::SystemTime::now().checked_sub(head),
             request_id: String::from_utf8_lossy(self.rid.as_bytes()).into_owned(),
             trace_id: format!("{:032x}", self.trace),
             pool: self.pool.as_str(),
