@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What observing costs per request, under load beside nginx: interleaved rounds of wrk
-# on two nodes that differ only in `--access-log` (1 % of successes and every error).
-# A successful route shows the everyday cost; a log storm (every request a 404, so every
-# request is logged) shows what it does to p99 and whether lines are dropped (counted)
-# rather than waited for. Proxies pinned to CPU 1, wrk and the nginx backend to CPU 0;
+# on three nodes that differ only in observation: none; `--access-log` (1 % of
+# successes and every error); the log and OpenTelemetry traces (1 %, every 5xx) sent to
+# an OTLP/HTTP collector on CPU 0 (a small Python receiver that reads and acknowledges
+# each export). A successful route shows the everyday cost; a log storm (every request
+# a 404, so every request is logged) shows what it does to p99 and whether lines are
+# dropped (counted) rather than waited for. Proxies pinned to CPU 1, wrk and the nginx backend to CPU 0;
 # the figure is the proxy's CPU time per request from /proc (its log thread included),
 # medians over the rounds.
 #
@@ -38,7 +40,21 @@ node() { # port-base [flags]
 }
 node 18090; pids+=($!); off_pid=$!
 node 18190 --access-log "$work/access.log"; pids+=($!); on_pid=$!
-for a in 18092 18192; do
+cat > "$work/collector.py" <<'PY'
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200); self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+PY
+taskset -c 0 python3 "$work/collector.py" 18300 & pids+=($!)
+node 18290 --access-log "$work/access-traced.log" --otlp-endpoint http://127.0.0.1:18300 --trace-sample 0.01
+pids+=($!); tr_pid=$!
+for a in 18092 18192 18292; do
   for _ in $(seq 100); do curl -sf -o /dev/null http://127.0.0.1:$a/healthz && break; sleep 0.1; done
 done
 sleep 1
@@ -53,17 +69,20 @@ load() { # pid url -> CPU µs/request, p99 ms, requests
   awk -v t=$((after - before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" -v p="$p99" \
     'BEGIN{ printf "%.2f %s %s\n", (r > 0 ? t / hz / r * 1e6 : 0), p, r }'
 }
-declare -a n_ f_ o_ sf_ so_ pf_ po_
+declare -a n_ f_ o_ t_ sf_ so_ pf_ po_
 for r in $(seq "$ROUNDS"); do
   read -r n _ _ < <(load $nginx_pid http://127.0.0.1:18081/v1/orders); n_+=("$n")
   read -r f _ _ < <(load $off_pid http://127.0.0.1:18090/v1/orders); f_+=("$f")
   read -r o _ _ < <(load $on_pid http://127.0.0.1:18190/v1/orders); o_+=("$o")
+  read -r t _ _ < <(load $tr_pid http://127.0.0.1:18290/v1/orders); t_+=("$t")
   read -r sf pf _ < <(load $off_pid http://127.0.0.1:18090/nope); sf_+=("$sf"); pf_+=("$pf")
   read -r so po _ < <(load $on_pid http://127.0.0.1:18190/nope); so_+=("$so"); po_+=("$po")
-  echo "round $r: nginx $n  success: log off $f, on $o  storm (every request a 404): log off $sf (p99 $pf ms), on $so (p99 $po ms)  CPU µs/request"
+  echo "round $r: nginx $n  success: off $f, log $o, log + 1 % traces $t  storm (every request a 404): log off $sf (p99 $pf ms), on $so (p99 $po ms)  CPU µs/request"
 done
 m() { median "$@"; }
-echo "median CPU µs/request: nginx $(m "${n_[@]}"); success: off $(m "${f_[@]}"), on $(m "${o_[@]}") ($(awk -v a="$(m "${o_[@]}")" -v b="$(m "${f_[@]}")" 'BEGIN{printf "%+.2f", a - b}')); storm: off $(m "${sf_[@]}"), on $(m "${so_[@]}") ($(awk -v a="$(m "${so_[@]}")" -v b="$(m "${sf_[@]}")" 'BEGIN{printf "%+.2f", a - b}'))"
+d() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%+.2f", a - b}'; }
+echo "median CPU µs/request: nginx $(m "${n_[@]}"); success: off $(m "${f_[@]}"), log $(m "${o_[@]}") ($(d "$(m "${o_[@]}")" "$(m "${f_[@]}")")), log + 1 % traces $(m "${t_[@]}") ($(d "$(m "${t_[@]}")" "$(m "${f_[@]}")")); storm: off $(m "${sf_[@]}"), on $(m "${so_[@]}") ($(d "$(m "${so_[@]}")" "$(m "${sf_[@]}")"))"
 echo "median p99 in the storm: off $(m "${pf_[@]}") ms, on $(m "${po_[@]}") ms"
 curl -s http://127.0.0.1:18192/metrics | grep '^postern_access_log_lines_total'
+curl -s http://127.0.0.1:18292/metrics | grep -E '^postern_trace'
 echo "log: $(wc -l < "$work/access.log") lines, $(du -h "$work/access.log" | cut -f1), rotated files: $(ls "$work" | grep -c 'access.log\.' || true)"

@@ -232,6 +232,7 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
         keys: keys.into_iter().map(|(_, k)| k).collect(),
         deny,
         over_quota: Vec::new(),
+        debug_trace: Vec::new(),
     };
     match crate::engines::check_credentials(&creds, unix_now()) {
         Ok(()) => Ok(creds),

@@ -185,6 +185,34 @@ enum Command {
         #[command(flatten)]
         control: ControlArgs,
     },
+    /// Trace every request of one API key or OAuth app for a while, on every node (a
+    /// fast-lane change; the flag carries its expiry, so tracing turns itself off).
+    Trace {
+        #[command(flatten)]
+        control: ControlArgs,
+        #[command(flatten)]
+        which: TraceWhich,
+        /// For how long (e.g. 1h, 15m); at most a week.
+        #[arg(long = "for", default_value = "1h", value_parser = parse_duration, conflicts_with = "off")]
+        duration: Duration,
+        /// End the caller's tracing now.
+        #[arg(long)]
+        off: bool,
+        /// Wait up to this many seconds for every live node to run it.
+        #[arg(long, default_value_t = 5)]
+        wait_acks: u64,
+    },
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct TraceWhich {
+    /// An API key, by id.
+    #[arg(long)]
+    key: Option<String>,
+    /// An OAuth app, by `client_id`.
+    #[arg(long)]
+    app: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -926,6 +954,9 @@ fn main() -> ExitCode {
         }
         Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
         Command::Status { control } => report(call(&control, "GET", "/v1/status")),
+        Command::Trace { control, which, duration, off, wait_acks } => {
+            report(trace(&control, which, if off { Duration::ZERO } else { duration }, wait_acks))
+        }
         Command::Usage { action: Some(UsageAction::Reconcile { control, period }), .. } => {
             report(call(&control, "POST", &format!("/v1/usage/reconcile?period={period}")))
         }
@@ -956,6 +987,35 @@ fn get_ok(control: &ControlArgs, path: &str) -> anyhow::Result<bytes::Bytes> {
         );
     }
     Ok(body)
+}
+
+/// `posternctl trace`: sets (or ends) one caller's debug-trace flag; says until when, then
+/// the control plane's answer (the credentials version, and the nodes that run it).
+fn trace(control: &ControlArgs, which: TraceWhich, duration: Duration, wait_acks: u64) -> anyhow::Result<()> {
+    let body = serde_json::json!({"key": which.key, "app": which.app, "for_s": duration.as_secs()});
+    let url = format!("{}/v1/trace?wait_acks={wait_acks}", control.control.trim_end_matches('/'));
+    let (status, bytes) = runtime()?.block_on(posternctl::serve::request_with(
+        "POST",
+        &url,
+        &control.token,
+        control.control_ca.as_deref(),
+        Some(body),
+    ))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    anyhow::ensure!(
+        status.is_success(),
+        "control plane answered {status}: {}",
+        v["error"].as_str().unwrap_or(&String::from_utf8_lossy(&bytes))
+    );
+    let until = std::time::UNIX_EPOCH + Duration::from_secs(v["until"].as_u64().unwrap_or(0));
+    let who = format!("{} {}", v["kind"].as_str().unwrap_or("?"), v["caller"].as_str().unwrap_or("?"));
+    if duration.is_zero() {
+        outln!("tracing of {who} is off");
+    } else {
+        outln!("tracing every request of {who} until {}", humantime::format_rfc3339_seconds(until));
+    }
+    outln!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
 }
 
 /// `posternctl usage export`: a final period's billing lines, as the control plane gives them.

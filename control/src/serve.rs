@@ -45,6 +45,7 @@ use crate::usage::{ApplyError, By, Query, UsageStore};
 
 mod quota;
 mod stream;
+mod trace;
 
 pub use stream::UsageKafka;
 
@@ -468,6 +469,15 @@ impl Server {
             }
             (Method::POST, ["v1", "deny"]) if role == "platform" => {
                 self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
+            }
+            (Method::POST, ["v1", "trace"]) if role == "platform" => {
+                let wait = Duration::from_secs(
+                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
+                );
+                match read_json::<trace::TraceBody>(req, JSON_BODY_LIMIT).await {
+                    Ok(body) => self.debug_trace(&who.name, body, wait).await,
+                    Err(e) => e,
+                }
             }
             (Method::POST, ["v1", "usage"]) if is_node => self.usage_intake(role, req).await,
             (Method::GET, ["v1", "usage"]) if !is_node => self.usage_query(role.strip_prefix("team:"), &query).await,
@@ -998,12 +1008,10 @@ impl Server {
     async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration) -> Response<Body> {
         let one = self.publishing.lock().await;
         let repo = self.repo.clone();
-        // Over-quota flags are the quota service's: the credentials compiled keep the head's.
+        // Over-quota and debug-trace flags are set at run time: the credentials compiled
+        // keep the head's.
         let flags = match self.store.head(Lane::Credentials).await {
-            Ok(head) => head
-                .and_then(|v| postern_model::credentials::Credentials::open(&v.bytes).ok())
-                .map(|(_, c)| c.over_quota)
-                .unwrap_or_default(),
+            Ok(head) => head.and_then(|v| postern_model::credentials::Credentials::open(&v.bytes).ok()).map(|(_, c)| c),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo, flags)).await;
@@ -1170,12 +1178,12 @@ impl Server {
             }
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
-        // Over-quota flags are the quota service's: the change keeps the head's.
+        // Over-quota and debug-trace flags are set at run time: the change keeps the head's.
         let was =
             base.as_ref().and_then(|b| postern_model::credentials::Credentials::open(&b.bytes).ok()).map(|(_, c)| c);
         let mut applied = applied;
         let mut answer = std::mem::take(&mut applied.answer);
-        applied.credentials.over_quota = was.as_ref().map(|c| c.over_quota.clone()).unwrap_or_default();
+        applied.credentials.keep_flags(was.as_ref());
         let content = match serde_json::value::to_raw_value(&applied.credentials) {
             Ok(c) => c,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -1187,11 +1195,9 @@ impl Server {
         };
         if changed && let (Some(base), Some(was)) = (base, was) {
             let delta = postern_model::credentials::CredentialsDelta {
-                base: base.number,
-                version: v.number,
                 keys: applied.keys,
                 deny: applied.deny,
-                over_quota: Vec::new(),
+                ..postern_model::credentials::CredentialsDelta::between(base.number, v.number)
             };
             self.offer_delta(&base, &v, delta, &was, &applied.credentials);
         }
@@ -1290,12 +1296,12 @@ struct Publishable {
 /// Compiles the repository's snapshot and credential state, with the modules it names.
 fn compile_repo(
     repo: &std::path::Path,
-    flags: Vec<postern_model::credentials::QuotaFlag>,
+    flags: Option<postern_model::credentials::Credentials>,
 ) -> Result<Publishable, Vec<String>> {
     let compiled =
         crate::compile::compile(repo).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())?;
     let mut creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
-    creds.over_quota = flags;
+    creds.keep_flags(flags.as_ref());
     let mut modules = Vec::new();
     for (digest, src) in &compiled.modules {
         let bytes = std::fs::read(src).map_err(|e| vec![format!("{}: {e}", src.display())])?;

@@ -69,6 +69,9 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             if let Some(log) = &gw.access_log {
                 crate::metrics::render_access_log(&mut out, log);
             }
+            if let Some(tracer) = &gw.tracer {
+                crate::metrics::render_traces(&mut out, tracer);
+            }
             text(StatusCode::OK, "text/plain; version=0.0.4", out)
         }
         "/snapshot" => {

@@ -289,18 +289,30 @@ pub enum ResponseBody {
 #[derive(Debug)]
 pub struct Observed {
     inner: ResponseBody,
-    record: Option<Box<postern_observe::Record>>,
-    log: std::sync::Arc<postern_observe::AccessLog>,
+    log: Option<Logged>,
+    trace: Option<Traced>,
     start: std::time::Instant,
     ended: Option<&'static str>,
 }
 
+/// An access-log record and the log it goes to.
+pub type Logged = (Box<postern_observe::Record>, std::sync::Arc<postern_observe::AccessLog>);
+/// A trace and the tracer it goes to.
+pub type Traced = (Box<postern_observe::trace::Trace>, std::sync::Arc<postern_observe::Tracer>);
+
 impl Drop for Observed {
     fn drop(&mut self) {
-        if let Some(mut r) = self.record.take() {
-            r.total = self.start.elapsed();
-            r.body = self.ended.unwrap_or("client_gone");
-            self.log.submit(r);
+        let total = self.start.elapsed();
+        let body = self.ended.unwrap_or("client_gone");
+        if let Some((mut r, log)) = self.log.take() {
+            r.total = total;
+            r.body = body;
+            log.submit(r);
+        }
+        if let Some((mut t, tracer)) = self.trace.take() {
+            t.request.total = total;
+            t.request.body = body;
+            tracer.submit(t);
         }
     }
 }
@@ -314,15 +326,11 @@ pub struct Compressing {
 }
 
 impl ResponseBody {
-    /// This body, counted for the access log's `record`, which is queued when it ends.
-    pub fn observed(
-        self,
-        record: Box<postern_observe::Record>,
-        log: std::sync::Arc<postern_observe::AccessLog>,
-        start: std::time::Instant,
-    ) -> ResponseBody {
+    /// This body, counted for the access log's record and timed for the trace, which
+    /// are queued when it ends.
+    pub fn observed(self, log: Option<Logged>, trace: Option<Traced>, start: std::time::Instant) -> ResponseBody {
         let ended = self.is_end_stream().then_some("complete");
-        ResponseBody::Observed(Box::new(Observed { inner: self, record: Some(record), log, start, ended }))
+        ResponseBody::Observed(Box::new(Observed { inner: self, log, trace, start, ended }))
     }
 
     /// This body compressed with `coding` as it streams.
@@ -370,7 +378,7 @@ impl Body for ResponseBody {
                 let polled = Pin::new(&mut o.inner).poll_frame(cx);
                 match &polled {
                     Poll::Ready(Some(Ok(frame))) => {
-                        if let (Some(d), Some(r)) = (frame.data_ref(), o.record.as_mut()) {
+                        if let (Some(d), Some((r, _))) = (frame.data_ref(), o.log.as_mut()) {
                             r.bytes_out += d.len() as u64;
                         }
                     }

@@ -136,20 +136,38 @@ pub fn new_request_id() -> (u128, HeaderValue) {
     (id, HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("0")))
 }
 
-/// The `traceparent` to send upstream: the client's trace id if it sent a valid one
-/// (W3C Trace Context, version 00), else `fallback_trace`; a new span id; sampled flag kept.
-pub fn traceparent(incoming: Option<&HeaderValue>, fallback_trace: u128) -> HeaderValue {
-    // 00-<32 hex trace>-<16 hex parent>-<2 hex flags>
-    let mut buf = *b"00-00000000000000000000000000000000-0000000000000000-01";
-    let parsed = incoming.map(HeaderValue::as_bytes).filter(|b| valid_traceparent(b));
-    match parsed {
-        Some(b) => {
-            buf[3..35].copy_from_slice(&b[3..35]);
-            buf[53..55].copy_from_slice(&b[53..55]);
-        }
-        None => hex_into(&mut buf[3..35], fallback_trace, 32),
+/// A valid W3C `traceparent` (version 00) as the client sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceParent {
+    /// The trace id the request continues.
+    pub trace_id: u128,
+    /// The client's span: the parent of the node's server span.
+    pub parent: u64,
+    /// The trace flags (bit 0: sampled).
+    pub flags: u8,
+}
+
+impl TraceParent {
+    /// The client's trace context, if it sent a valid one; junk is ignored.
+    pub fn parse(incoming: Option<&HeaderValue>) -> Option<TraceParent> {
+        let b = incoming.map(HeaderValue::as_bytes).filter(|b| valid_traceparent(b))?;
+        let hex = |s: &[u8]| std::str::from_utf8(s).ok().and_then(|s| u128::from_str_radix(s, 16).ok());
+        Some(TraceParent {
+            trace_id: hex(&b[3..35])?,
+            parent: u64::try_from(hex(&b[36..52])?).ok()?,
+            flags: u8::try_from(hex(&b[53..55])?).ok()?,
+        })
     }
-    hex_into(&mut buf[36..52], u128::from(fastrand::u64(1..)), 16);
+}
+
+/// The `traceparent` to send upstream: `trace_id` (the client's, else the request's
+/// own), the node's upstream span as the parent, and `flags`.
+pub fn traceparent(trace_id: u128, span: u64, flags: u8) -> HeaderValue {
+    // 00-<32 hex trace>-<16 hex parent>-<2 hex flags>
+    let mut buf = *b"00-00000000000000000000000000000000-0000000000000000-00";
+    hex_into(&mut buf[3..35], trace_id, 32);
+    hex_into(&mut buf[36..52], u128::from(span), 16);
+    hex_into(&mut buf[53..55], u128::from(flags), 2);
     HeaderValue::from_bytes(&buf).unwrap_or(HeaderValue::from_static("00-0-0-00"))
 }
 
@@ -223,13 +241,23 @@ mod tests {
     #[test]
     fn traceparent_keeps_a_valid_trace_and_replaces_junk() {
         let incoming = HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
-        let out = traceparent(Some(&incoming), 0xabc);
-        let s = out.to_str().unwrap();
-        assert!(s.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{s}");
-        assert_ne!(&s[36..52], "00f067aa0ba902b7");
-        let junk = HeaderValue::from_static("garbage");
-        let out = traceparent(Some(&junk), 0xabc);
-        assert!(out.to_str().unwrap().starts_with("00-00000000000000000000000000000abc-"));
+        let tp = TraceParent::parse(Some(&incoming)).unwrap();
+        assert_eq!(tp.trace_id, 0x4bf92f3577b34da6a3ce929d0e0e4736);
+        assert_eq!(tp.parent, 0x00f067aa0ba902b7);
+        assert_eq!(tp.flags, 1);
+        let out = traceparent(tp.trace_id, 0x1234, tp.flags);
+        assert_eq!(out.to_str().unwrap(), "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000001234-01");
+        for junk in [
+            "garbage",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(TraceParent::parse(Some(&HeaderValue::from_static(junk))), None, "{junk}");
+        }
+        let out = traceparent(0xabc, 0xdef, 0);
+        assert_eq!(out.to_str().unwrap(), "00-00000000000000000000000000000abc-0000000000000def-00");
         assert!(valid_traceparent(out.as_bytes()));
     }
 }

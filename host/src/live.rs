@@ -182,7 +182,7 @@ pub fn apply_credentials_delta(gw: &Gateway, doc: &postern_model::credentials::D
         return Err(ApplyError::DeltaBase { base: d.base, version: d.version, live: live.version });
     }
     let now = disk::unix_now();
-    let store = live.with_changes(d.version, &d.keys, &d.deny, &d.over_quota, now).map_err(|e| {
+    let store = live.with_changes(d.version, &d.keys, &d.deny, &d.over_quota, &d.debug_trace, now).map_err(|e| {
         gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
         ApplyError::from(e)
     })?;

@@ -624,6 +624,28 @@ pub fn render_access_log(out: &mut String, log: &postern_observe::AccessLog) {
     write_rows(out, &rows);
 }
 
+/// The tracer's health: traces queued and dropped, spans exported and lost.
+pub fn render_traces(out: &mut String, tracer: &postern_observe::Tracer) {
+    let s = &tracer.stats;
+    let rows: [(&str, &str, &str, u64); 4] = [
+        (
+            "postern_traces_total{outcome=\"queued\"}",
+            "counter",
+            "Traces of requests, by outcome: queued for export, or dropped at a full queue (the request did not wait).",
+            s.queued.load(Ordering::Relaxed),
+        ),
+        ("postern_traces_total{outcome=\"dropped\"}", "", "", s.dropped.load(Ordering::Relaxed)),
+        (
+            "postern_trace_spans_total{outcome=\"exported\"}",
+            "counter",
+            "Spans sent to the OTLP collector, by outcome: accepted, or lost to a failed export (collector down, refusing, or slow).",
+            s.exported.load(Ordering::Relaxed),
+        ),
+        ("postern_trace_spans_total{outcome=\"failed\"}", "", "", s.failed.load(Ordering::Relaxed)),
+    ];
+    write_rows(out, &rows);
+}
+
 /// Each cluster's breaker and in-flight requests on this node (a series per cluster, a
 /// bounded set: clusters come from the platform's config).
 pub fn render_upstreams(out: &mut String, upstreams: &[Arc<crate::snapshot::Upstream>]) {

@@ -53,6 +53,8 @@ pub struct Gateway {
     pub usage: Option<Arc<postern_usage::Usage>>,
     /// The JSON access log, when the node writes one.
     pub access_log: Option<Arc<postern_observe::AccessLog>>,
+    /// OpenTelemetry traces, when the node exports them.
+    pub tracer: Option<Arc<postern_observe::Tracer>>,
     /// Priority shedding on the node's CPU.
     pub shed: crate::shedding::NodeShed,
     /// The node's admission budget, with the partner pool's share.
@@ -163,8 +165,40 @@ struct Exchange<'l> {
     passed: u8,
     /// The listener's pool.
     pool: postern_model::Pool,
-    /// What the access log needs of the request, when the node keeps one.
+    /// What the access log and traces need of the request, when the node keeps either.
     seen: Option<Seen>,
+    /// The client's trace context, if it sent a valid `traceparent`.
+    tp: Option<headers::TraceParent>,
+    /// When the request's parts ran, on a node that traces.
+    marks: Option<Marks<'l>>,
+}
+
+/// Request-phase filters timed for a trace; later ones are covered by the server span.
+const MAX_FILTER_SPANS: usize = 16;
+
+/// When a request's parts ran, in nanoseconds from its arrival: kept on a node that
+/// traces (two clock reads per filter and two for the backend call), because whether
+/// a request is traced is known only at its end (every server error is).
+struct Marks<'l> {
+    /// Each request-phase filter's start and end.
+    filters: [(u64, u64); MAX_FILTER_SPANS],
+    /// The upstream call's span id: the parent id the backend was sent.
+    up_span: u64,
+    /// When the request was sent upstream (0: it was not).
+    sent: u64,
+    /// The cluster and endpoint it went to.
+    to: Option<(&'l crate::snapshot::Upstream, http::uri::Authority)>,
+}
+
+impl Marks<'_> {
+    fn new() -> Self {
+        Marks { filters: [(0, 0); MAX_FILTER_SPANS], up_span: 0, sent: 0, to: None }
+    }
+}
+
+/// Nanoseconds since `start`.
+fn since(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The request as it arrived, kept for the access log (clones of shared bytes).
@@ -180,7 +214,8 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
     let start = Instant::now();
     let (trace, rid) = headers::new_request_id();
     let live = gw.live.load_full();
-    let seen = gw.access_log.as_ref().map(|_| Seen {
+    let tp = headers::TraceParent::parse(req.headers().get(TRACEPARENT));
+    let seen = (gw.access_log.is_some() || gw.tracer.is_some()).then(|| Seen {
         method: req.method().clone(),
         uri: req.uri().clone(),
         length: req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()),
@@ -197,6 +232,8 @@ pub async fn handle(gw: Arc<Gateway>, conn: Arc<ConnInfo>, req: Request<Incoming
         passed: 0,
         pool: conn.pool,
         seen,
+        tp,
+        marks: gw.tracer.as_ref().map(|_| Marks::new()),
     };
     let admitted = gw.admission.admit(conn.pool);
     let result = match admitted {
@@ -288,15 +325,97 @@ impl Exchange<'_> {
             b.count(status);
             b.latency.observe(total);
         }
-        if let Some(log) = &gw.access_log
-            && log.wants(status, self.trace)
-            && let Some(seen) = self.seen.take()
-        {
-            let record = self.record(&seen, status, made, total);
-            let (parts, body) = resp.into_parts();
-            return Response::from_parts(parts, body.observed(record, log.clone(), self.start));
+        let Some(seen) = self.seen.take() else { return resp };
+        let log = gw.access_log.as_ref().filter(|l| l.wants(status, self.trace));
+        let tracer = gw.tracer.as_ref().filter(|t| t.wants(status, self.trace, self.debug()));
+        if log.is_none() && tracer.is_none() {
+            return resp;
         }
-        resp
+        let record = self.record(&seen, status, made, total);
+        let (logged, traced) = match (log, tracer) {
+            (Some(l), Some(t)) => (Some((record.clone(), l.clone())), Some((self.trace(*record, made), t.clone()))),
+            (Some(l), None) => (Some((record, l.clone())), None),
+            (_, t) => (None, t.map(|t| (self.trace(*record, made), t.clone()))),
+        };
+        let (parts, body) = resp.into_parts();
+        Response::from_parts(parts, body.observed(logged, traced, self.start))
+    }
+
+    /// Whether the caller is under a debug-trace flag.
+    fn debug(&self) -> bool {
+        self.cx.as_ref().is_some_and(|cx| cx.debug_trace.get().is_some())
+    }
+
+    /// The request-phase filters that ran (the one that answered included), each with
+    /// its outcome.
+    fn outcomes(&self, made: Option<Option<&'static str>>) -> impl Iterator<Item = (&Arc<str>, &'static str)> {
+        let names = self.route.map_or(&[][..], |r| &r.filter_names[..]);
+        let passed = usize::from(self.passed);
+        let answered = made.is_some() && self.cx.is_some() && passed < names.len();
+        names.iter().take(passed + usize::from(answered)).enumerate().map(move |(i, name)| {
+            let outcome = match (i < passed, made) {
+                (true, _) => "continue",
+                (false, Some(Some("filter_failed"))) => "failed",
+                (false, _) => "answered",
+            };
+            (name, outcome)
+        })
+    }
+
+    /// The trace of this `request`, with its filters' and upstream call's spans.
+    fn trace(
+        &self,
+        request: postern_observe::Record,
+        made: Option<Option<&'static str>>,
+    ) -> Box<postern_observe::trace::Trace> {
+        use postern_observe::trace::{Span, SpanKind};
+        let mut spans = Vec::new();
+        if let Some(m) = &self.marks {
+            let authenticated = self.route.is_some_and(|r| r.product.is_some());
+            for (i, (f, &(start, end))) in request.filters.iter().zip(&m.filters).enumerate() {
+                spans.push(Span {
+                    kind: if i == 0 && authenticated { SpanKind::Auth } else { SpanKind::Filter },
+                    name: f.name.clone(),
+                    id: fastrand::u64(1..),
+                    start: Duration::from_nanos(start),
+                    end: Duration::from_nanos(end),
+                    outcome: f.outcome,
+                    status: None,
+                    address: None,
+                    error: (f.outcome == "failed").then_some("filter_failed"),
+                });
+            }
+            if let Some((up, address)) = &m.to
+                && m.sent > 0
+            {
+                let failed = match made {
+                    // The backend answered; a filter may have answered after it.
+                    None => (request.status >= 500).then_some("upstream server error"),
+                    // The gateway's answer for a call that failed (timeout, refused, broken).
+                    Some(code) => code.filter(|c| c.starts_with("upstream")),
+                };
+                let sent = Duration::from_nanos(m.sent);
+                spans.push(Span {
+                    kind: SpanKind::Upstream,
+                    name: up.name.to_string(),
+                    id: m.up_span,
+                    start: sent,
+                    end: sent + self.waited,
+                    outcome: "",
+                    status: made.is_none().then_some(request.status),
+                    address: Some(address.to_string()),
+                    error: failed,
+                });
+            }
+        }
+        Box::new(postern_observe::trace::Trace {
+            trace_id: self.tp.map_or(self.trace, |t| t.trace_id),
+            parent: self.tp.map_or(0, |t| t.parent),
+            span_id: fastrand::u64(1..),
+            debug: self.debug(),
+            spans,
+            request,
+        })
     }
 
     /// The access-log record of this request; the body's end fills in sizes and time.
@@ -308,40 +427,21 @@ impl Exchange<'_> {
         head: Duration,
     ) -> Box<postern_observe::Record> {
         let id = self.cx.as_ref().and_then(Context::identity);
-        let caller = id.and_then(Identity::caller).map(|(payer, c)| {
-            let kind = match payer {
-                Payer::Key => postern_observe::log::CallerKind::Key,
-                Payer::App => postern_observe::log::CallerKind::App,
-            };
-            (kind, String::from_utf8_lossy(c).into_owned())
-        });
-        let filters = self.route.map_or_else(Vec::new, |r| {
-            let passed = usize::from(self.passed);
-            let answered = made.is_some() && self.cx.is_some() && passed < r.filter_names.len();
-            r.filter_names
-                .iter()
-                .take(passed + usize::from(answered))
-                .enumerate()
-                .map(|(i, name)| postern_observe::log::FilterOutcome {
-                    name: name.to_string(),
-                    outcome: match (i < passed, made) {
-                        (true, _) => "continue",
-                        (false, Some(Some("filter_failed"))) => "failed",
-                        (false, _) => "answered",
-                    },
-                })
-                .collect()
-        });
+        let filters = self
+            .outcomes(made)
+            .map(|(name, outcome)| postern_observe::log::FilterOutcome { name: name.to_string(), outcome })
+            .collect();
         Box::new(postern_observe::Record {
             // The arrival's wall-clock time, derived only for a request that is logged.
             at: std::time::SystemTime::now().checked_sub(head),
             request_id: String::from_utf8_lossy(self.rid.as_bytes()).into_owned(),
-            trace_id: format!("{:032x}", self.trace),
+            // The client's trace when it sent one: the line and the trace meet on it.
+            trace_id: format!("{:032x}", self.tp.map_or(self.trace, |t| t.trace_id)),
             pool: self.pool.as_str(),
             method: seen.method.as_str().to_owned(),
             path: seen.uri.path().to_owned(),
             route: self.route.map(|r| r.id.to_string()),
-            caller,
+            caller: caller(id),
             plan: id.and_then(|i| i.plan.as_ref()).map(|p| String::from_utf8_lossy(p).into_owned()),
             status,
             code: made.flatten(),
@@ -358,19 +458,40 @@ impl Exchange<'_> {
     }
 }
 
+/// The caller as logged and traced: how it authenticated, and its key id or `client_id`.
+fn caller(id: Option<&Identity>) -> Option<(postern_observe::log::CallerKind, String)> {
+    id.and_then(Identity::caller).map(|(payer, c)| {
+        let kind = match payer {
+            Payer::Key => postern_observe::log::CallerKind::Key,
+            Payer::App => postern_observe::log::CallerKind::App,
+        };
+        (kind, String::from_utf8_lossy(c).into_owned())
+    })
+}
+
 /// Runs the filters' request phase in order; the first that answers ends the request.
+/// On a node that traces, each filter's start and end are marked.
 async fn run_request_filters(
     filters: &[Arc<dyn postern_filter_contract::Filter>],
     parts: &mut RequestHead,
     cx: &Context,
     passed: &mut u8,
+    marks: &mut Option<Marks<'_>>,
+    start: Instant,
 ) -> Result<(), Ending> {
     for f in filters {
-        match f.on_request(parts, cx) {
-            Flow::Continue => {}
-            Flow::Respond(r) => return Err(Ending::Reply(r)),
-            Flow::Wait(fut) => fut.await.map_err(Ending::Reply)?,
+        let began = marks.as_ref().map(|_| since(start));
+        let flow = match f.on_request(parts, cx) {
+            Flow::Continue => Ok(()),
+            Flow::Respond(r) => Err(Ending::Reply(r)),
+            Flow::Wait(fut) => fut.await.map_err(Ending::Reply),
+        };
+        if let (Some(m), Some(began)) = (marks.as_mut(), began)
+            && let Some(slot) = m.filters.get_mut(usize::from(*passed))
+        {
+            *slot = (began, since(start));
         }
+        flow?;
         *passed = passed.saturating_add(1);
     }
     Ok(())
@@ -458,7 +579,7 @@ async fn forward<'l>(
     // class and its backend, are known before any other filter runs.
     let (first, rest) = route.filters.split_at(usize::from(route.product.is_some()).min(route.filters.len()));
     if let Some(cx) = cx {
-        run_request_filters(first, &mut parts, cx, &mut ex.passed).await?;
+        run_request_filters(first, &mut parts, cx, &mut ex.passed, &mut ex.marks, ex.start).await?;
     }
 
     // On authenticated routes the caller is its API key, or its app for tokens.
@@ -479,7 +600,7 @@ async fn forward<'l>(
     let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
         .map_err(ProxyError::Shed)?;
     if let Some(cx) = cx {
-        run_request_filters(rest, &mut parts, cx, &mut ex.passed).await?;
+        run_request_filters(rest, &mut parts, cx, &mut ex.passed, &mut ex.marks, ex.start).await?;
         crate::canon::check_edited_path(&parts, &live.paths)?;
     }
     // On routes that validate: the parameters and the body's media type, before the
@@ -535,8 +656,20 @@ async fn forward<'l>(
         h.insert(HOST, host);
     }
     set_forwarding(h, conn, hop.as_ref());
-    let tp = headers::traceparent(h.get(TRACEPARENT), trace);
-    h.insert(TRACEPARENT, tp);
+    // The backend continues the client's trace (or the request's own), as a child of
+    // the node's upstream span; it is told to sample what the node traces from the start.
+    let span = fastrand::u64(1..);
+    let debug = ex.debug();
+    let flags = match (&gw.tracer, ex.tp) {
+        (Some(t), _) if t.samples(trace, debug) => 1,
+        (Some(_), tp) => tp.map_or(0, |t| t.flags),
+        (None, tp) => tp.map_or(1, |t| t.flags),
+    };
+    h.insert(TRACEPARENT, headers::traceparent(ex.tp.map_or(trace, |t| t.trace_id), span, flags));
+    if let Some(m) = ex.marks.as_mut() {
+        m.up_span = span;
+        m.to = parts.uri.authority().map(|a| (upstream, a.clone()));
+    }
     h.insert(X_REQUEST_ID, ex.rid.clone());
     let left = route.response_timeout.saturating_sub(ex.start.elapsed());
     h.insert(X_DEADLINE_MS, HeaderValue::from(u64::try_from(left.as_millis()).unwrap_or(u64::MAX)));
@@ -631,6 +764,9 @@ async fn forward<'l>(
         .and_then(|min| Some((min, crate::compress::negotiate(&parts.headers)?, parts.method == Method::HEAD)));
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
+    if let Some(m) = ex.marks.as_mut() {
+        m.sent = u64::try_from(sent.saturating_duration_since(ex.start).as_nanos()).unwrap_or(u64::MAX);
+    }
     if upstream.has_other() {
         // The budget's base: what was first sent to a cluster a retry can go to.
         upstream.budget.request(sent);

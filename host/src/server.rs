@@ -217,6 +217,18 @@ pub struct Args {
     /// brokers, keyed by the caller (best effort: the file keeps every line).
     #[arg(long, value_name = "TOPIC", requires_all = ["usage_kafka", "access_log"])]
     pub access_log_kafka_topic: Option<String>,
+    /// Export OpenTelemetry traces (OTLP over HTTP/protobuf) to this collector, e.g.
+    /// `http://127.0.0.1:4318` (the traces path is added when none is given): a server
+    /// span per request with spans for auth, each filter and the upstream call, for
+    /// every server error, every request of a caller under `posternctl trace`, and a
+    /// share of the rest (`--trace-sample`). Built and sent by a thread of their own
+    /// behind a bounded queue; a request never waits.
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+    /// The share of requests traced, from 0 to 1, decided on the same random ids as the
+    /// access log's sample (a sampled success has both a log line and a trace).
+    #[arg(long, default_value_t = 0.01, value_name = "FRACTION", value_parser = parse_fraction)]
+    pub trace_sample: f64,
 }
 
 /// A fraction from 0 to 1.
@@ -886,6 +898,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let tracer = match &args.otlp_endpoint {
+        Some(endpoint) => {
+            let mut settings = postern_observe::TraceSettings::new(endpoint, &node_id);
+            settings.success_per_10k =
+                postern_observe::LogSettings::rate(args.trace_sample).map_err(anyhow::Error::msg)?;
+            let tracer = postern_observe::Tracer::start(settings)
+                .map_err(|e| anyhow::anyhow!("--otlp-endpoint {endpoint}: {e}"))?;
+            tracing::info!(endpoint = %endpoint, sample = args.trace_sample, "traces exported");
+            Some(tracer)
+        }
+        None => None,
+    };
     let gw = Arc::new(Gateway {
         live: ArcSwap::from_pointee(live),
         metrics,
@@ -896,6 +920,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         credentials_writer: std::sync::Mutex::new(()),
         usage,
         access_log,
+        tracer,
         shed: crate::shedding::NodeShed::new(args.shed_cpu),
         admission: crate::shedding::Admission::new(args.max_in_flight, args.partner_share),
     });
@@ -968,6 +993,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(log) = gw.access_log.clone() {
         let _ = tokio::task::spawn_blocking(move || log.shutdown()).await;
+    }
+    if let Some(tracer) = gw.tracer.clone() {
+        let _ = tokio::task::spawn_blocking(move || tracer.shutdown()).await;
     }
     Ok(())
 }

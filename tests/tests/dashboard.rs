@@ -158,7 +158,8 @@ async fn every_dashboard_query_names_an_exported_metric() {
     // rendered. The sync points at a port nobody listens on: it renders, lost.
     let work = tempfile::tempdir().unwrap();
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let redis = format!("redis://127.0.0.1:{}", dead.local_addr().unwrap().port());
+    let dead_port = dead.local_addr().unwrap().port();
+    let redis = format!("redis://127.0.0.1:{dead_port}");
     drop(dead);
     let access_log = work.path().join("access.log");
     let spool = work.path().join("spool");
@@ -173,6 +174,9 @@ async fn every_dashboard_query_names_an_exported_metric() {
             &redis,
             "--node-id",
             "dashboard-0",
+            // A collector that is not there: the traces' health series are exported.
+            "--otlp-endpoint",
+            &format!("http://127.0.0.1:{dead_port}"),
         ],
     );
     assert_eq!(get(&node.url("/echo"), &[]).await.status, StatusCode::OK, "log:\n{}", node.log());

@@ -327,10 +327,15 @@ impl AuthFilter {
     }
 
     /// Checks the request's credential, the route's scopes and product, and the caller's
-    /// quota on it.
-    pub fn check(&self, headers: &HeaderMap, now: u64) -> Result<Arc<Identity>, Refused> {
+    /// quota on it. A caller under a debug-trace flag is marked in `cx`, refused or not.
+    pub fn check(&self, headers: &HeaderMap, now: u64, cx: Option<&Context>) -> Result<Arc<Identity>, Refused> {
         let store = self.auth.credentials.load();
         let id = self.auth.authenticate_in(&store, headers, self.methods, now).map_err(Refused::Auth)?;
+        if let (Some(cx), Some((payer, caller))) = (cx, id.caller())
+            && store.debug_trace.holds(payer, caller, now)
+        {
+            let _ = cx.debug_trace.set(());
+        }
         // Entitlement first: a caller whose plan lacks the product is told so, whatever
         // its scopes.
         let plan: &[u8] = id.plan.as_deref().unwrap_or_default();
@@ -436,7 +441,7 @@ pub fn strip_credentials(headers: &mut HeaderMap) {
 impl Filter for AuthFilter {
     fn on_request<'a>(&'a self, req: &'a mut RequestHead, cx: &'a Context) -> Flow<'a> {
         let now = unix_now();
-        let result = self.check(&req.headers, now);
+        let result = self.check(&req.headers, now, Some(cx));
         strip_credentials(&mut req.headers);
         match result {
             Ok(id) => {

@@ -10,7 +10,7 @@ use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED, ParsedPublicKey, RSA_PKCS1_2
 use bytes::Bytes;
 use jsonwebtoken::DecodingKey;
 use postern_filter_contract::{CredentialKind, Identity, Payer};
-use postern_model::credentials::{Alg, ApiKey, Credentials, DenyEntry, KeyStatus, QuotaFlag};
+use postern_model::credentials::{Alg, ApiKey, Credentials, DenyEntry, KeyStatus, QuotaFlag, TraceFlag};
 use postern_model::usage::CallerKind;
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -157,6 +157,50 @@ impl OverQuota {
     }
 }
 
+/// Callers under a debug-trace flag (API keys and apps apart), with the flag's expiry;
+/// a flag past it is ignored, so it turns itself off without a message.
+#[derive(Debug, Default, Clone)]
+pub struct DebugTrace {
+    keys: FastMap<Box<[u8]>, u64>,
+    apps: FastMap<Box<[u8]>, u64>,
+}
+
+impl DebugTrace {
+    /// Whether every request of `caller` is traced at `now`. Nothing is allocated, and
+    /// with no flag set nothing is hashed.
+    pub fn holds(&self, payer: Payer, caller: &[u8], now: u64) -> bool {
+        let by = match payer {
+            Payer::Key => &self.keys,
+            Payer::App => &self.apps,
+        };
+        !by.is_empty() && by.get(caller).is_some_and(|&until| now < until)
+    }
+
+    /// Sets a caller's flag (replacing its earlier one); a flag already over at `now`
+    /// turns the caller's tracing off.
+    fn set(&mut self, f: &TraceFlag, now: u64) {
+        let by = match f.kind {
+            CallerKind::Key => &mut self.keys,
+            CallerKind::App => &mut self.apps,
+        };
+        if f.until <= now {
+            by.remove(f.caller.as_bytes());
+        } else {
+            by.insert(Box::from(f.caller.as_bytes()), f.until);
+        }
+    }
+
+    /// Flags held (some may have ended since).
+    pub fn len(&self) -> usize {
+        self.keys.len() + self.apps.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// JWT checks that do not depend on the key.
 #[derive(Debug, Clone)]
 pub struct JwtLimits {
@@ -181,6 +225,8 @@ pub struct CredentialStore {
     pub deny: DenyList,
     /// Callers over their hard quota.
     pub over_quota: OverQuota,
+    /// Callers every request of which is traced.
+    pub debug_trace: DebugTrace,
     /// Token limits.
     pub jwt: JwtLimits,
     /// The `aud` values accepted.
@@ -326,6 +372,7 @@ impl CredentialStore {
             apps: Arc::default(),
             deny: DenyList::default(),
             over_quota: OverQuota::default(),
+            debug_trace: DebugTrace::default(),
             jwt: JwtLimits { leeway: 30, max_token_bytes: 4096, max_lifetime: 3600 },
             audiences: Vec::new(),
         }
@@ -341,6 +388,7 @@ impl CredentialStore {
         keys: &[ApiKey],
         deny: &[DenyEntry],
         flags: &[QuotaFlag],
+        traced: &[TraceFlag],
         now: u64,
     ) -> Result<CredentialStore, StoreError> {
         let mut names = Interner::default();
@@ -359,6 +407,10 @@ impl CredentialStore {
         for f in flags {
             over_quota.add(f, now);
         }
+        let mut debug_trace = self.debug_trace.clone();
+        for f in traced {
+            debug_trace.set(f, now);
+        }
         Ok(CredentialStore {
             version,
             keys: index,
@@ -366,6 +418,7 @@ impl CredentialStore {
             apps: self.apps.clone(),
             deny: list,
             over_quota,
+            debug_trace,
             jwt: self.jwt.clone(),
             audiences: self.audiences.clone(),
         })
@@ -441,6 +494,10 @@ impl CredentialStore {
         for f in &creds.over_quota {
             over_quota.add(f, now);
         }
+        let mut debug_trace = DebugTrace::default();
+        for f in &creds.debug_trace {
+            debug_trace.set(f, now);
+        }
 
         Ok(CredentialStore {
             version,
@@ -449,6 +506,7 @@ impl CredentialStore {
             apps: Arc::new(apps),
             deny,
             over_quota,
+            debug_trace,
             jwt: JwtLimits {
                 leeway: settings.leeway_s,
                 max_token_bytes: settings.max_token_bytes,
@@ -542,6 +600,7 @@ mod tests {
                 &[key("k1", "ab", KeyStatus::Revoked), key("k2", "cd", KeyStatus::Active)],
                 &[DenyEntry { jti: Some("t1".into()), expires_at: Some(200), ..entry() }],
                 &[],
+                &[],
                 100,
             )
             .unwrap();
@@ -558,7 +617,7 @@ mod tests {
         // The state it came from is untouched.
         assert!(base.key(&h("ab")).unwrap().active);
         assert_eq!(base.counts(), (1, 0, 0, 0));
-        let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], &[], 100);
+        let bad = base.with_changes(3, &[key("k3", "zz", KeyStatus::Active)], &[], &[], &[], 100);
         assert!(bad.unwrap_err().to_string().contains("keys[0] (id \"k3\")"));
     }
 
@@ -625,8 +684,26 @@ mod tests {
         assert_eq!(store.over_quota.get(Payer::Key, b"k1", "search", 200), None, "lifted at the period's end");
         assert_eq!(store.over_quota.get(Payer::Key, b"k1", "orders", 150), None, "another product");
         assert_eq!(store.over_quota.get(Payer::App, b"k1", "search", 150), None, "an app of the same name");
-        let next = store.with_changes(2, &[], &[], &[flag("app-1", CallerKind::App, "search", 300)], 100).unwrap();
+        let next = store.with_changes(2, &[], &[], &[flag("app-1", CallerKind::App, "search", 300)], &[], 100).unwrap();
         assert!(next.over_quota.get(Payer::App, b"app-1", "search", 250).is_some());
         assert!(next.over_quota.get(Payer::Key, b"k1", "search", 150).is_some(), "kept from the base");
+    }
+
+    #[test]
+    fn debug_trace_flags_hold_until_their_expiry_and_a_later_one_replaces_them() {
+        let flag = |caller: &str, kind, until| TraceFlag { caller: caller.into(), kind, until };
+        let mut c = Credentials::empty();
+        c.debug_trace = vec![flag("k1", CallerKind::Key, 200), flag("old", CallerKind::Key, 90)];
+        let store = CredentialStore::build(1, &c, 100).unwrap();
+        assert_eq!(store.debug_trace.len(), 1, "a flag already over is dropped");
+        assert!(store.debug_trace.holds(Payer::Key, b"k1", 150));
+        assert!(!store.debug_trace.holds(Payer::Key, b"k1", 200), "off at its expiry");
+        assert!(!store.debug_trace.holds(Payer::App, b"k1", 150), "an app of the same name");
+        let next = store.with_changes(2, &[], &[], &[], &[flag("app-1", CallerKind::App, 300)], 100).unwrap();
+        assert!(next.debug_trace.holds(Payer::App, b"app-1", 250));
+        assert!(next.debug_trace.holds(Payer::Key, b"k1", 150), "kept from the base");
+        let off = next.with_changes(3, &[], &[], &[], &[flag("k1", CallerKind::Key, 120)], 120).unwrap();
+        assert!(!off.debug_trace.holds(Payer::Key, b"k1", 150), "a shorter flag replaces a longer one");
+        assert_eq!(off.debug_trace.len(), 1);
     }
 }

@@ -598,7 +598,12 @@ fn a_caller_over_its_hard_quota_gets_429_until_the_period_ends() {
     let store = f.auth.credentials.load();
     assert!(store.over_quota.get(postern_filter_contract::Payer::Key, b"k-1", "orders", until).is_none());
     assert_eq!(
-        filter.check(&headers(&[("x-api-key", &f.key)]), until).map(|id| id.key_id.clone()).ok().flatten().as_deref(),
+        filter
+            .check(&headers(&[("x-api-key", &f.key)]), until, None)
+            .map(|id| id.key_id.clone())
+            .ok()
+            .flatten()
+            .as_deref(),
         Some(&b"k-1"[..])
     );
     let refused = f.auth.stats.snapshot().find(|(r, _)| *r == Reason::QuotaExceeded).map(|(_, n)| n);

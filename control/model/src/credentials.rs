@@ -76,6 +76,33 @@ pub struct Credentials {
     /// Callers whose hard quota is used up, from the quota service.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub over_quota: Vec<QuotaFlag>,
+    /// Callers every request of which is traced, until each flag's expiry.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub debug_trace: Vec<TraceFlag>,
+}
+
+/// A caller (API key or OAuth app) whose every request is traced until `until`, which
+/// the node reads on its own clock, so the flag turns itself off without a message.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceFlag {
+    /// Key id or `client_id`.
+    pub caller: String,
+    /// `key` or `app`.
+    pub kind: crate::usage::CallerKind,
+    /// Unix seconds: when tracing stops.
+    pub until: u64,
+}
+
+/// Sets `flags` in `into`: a flag for a caller already there replaces it (a later
+/// `posternctl trace` lengthens, shortens or ends the earlier one).
+pub fn set_trace_flags(into: &mut Vec<TraceFlag>, flags: &[TraceFlag]) {
+    for f in flags {
+        match into.iter_mut().find(|x| (&x.caller, x.kind) == (&f.caller, f.kind)) {
+            Some(slot) => *slot = f.clone(),
+            None => into.push(f.clone()),
+        }
+    }
 }
 
 /// A caller (API key or OAuth app) that used up its hard quota for one product: refused
@@ -130,7 +157,16 @@ impl Credentials {
         }
         out.deny.extend(d.deny.iter().cloned());
         merge_flags(&mut out.over_quota, &d.over_quota);
+        set_trace_flags(&mut out.debug_trace, &d.debug_trace);
         out
+    }
+
+    /// Keeps the run-time flags of `was` (over-quota flags from the quota service,
+    /// debug-trace flags from the platform): a publish of keys and settings never drops
+    /// them.
+    pub fn keep_flags(&mut self, was: Option<&Credentials>) {
+        self.over_quota = was.map(|c| c.over_quota.clone()).unwrap_or_default();
+        self.debug_trace = was.map(|c| c.debug_trace.clone()).unwrap_or_default();
     }
 
     /// Whether two states grant the same: equal token settings, signing keys and apps,
@@ -145,6 +181,9 @@ impl Credentials {
         fn flags(c: &Credentials) -> std::collections::BTreeSet<&QuotaFlag> {
             c.over_quota.iter().collect()
         }
+        fn traced(c: &Credentials) -> std::collections::BTreeSet<&TraceFlag> {
+            c.debug_trace.iter().collect()
+        }
         self.schema == other.schema
             && self.jwt == other.jwt
             && self.signing_keys == other.signing_keys
@@ -152,6 +191,7 @@ impl Credentials {
             && keys(self) == keys(other)
             && deny(self) == deny(other)
             && flags(self) == flags(other)
+            && traced(self) == traced(other)
     }
 
     /// No keys, no signing keys: every credential is refused.
@@ -164,6 +204,7 @@ impl Credentials {
             keys: Vec::new(),
             deny: Vec::new(),
             over_quota: Vec::new(),
+            debug_trace: Vec::new(),
         }
     }
 
@@ -364,6 +405,23 @@ pub struct CredentialsDelta {
     /// Over-quota flags added.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub over_quota: Vec<QuotaFlag>,
+    /// Debug-trace flags set (each replaces the caller's earlier one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub debug_trace: Vec<TraceFlag>,
+}
+
+impl CredentialsDelta {
+    /// A delta from `base` to `version` that changes nothing yet.
+    pub fn between(base: u64, version: u64) -> CredentialsDelta {
+        CredentialsDelta {
+            base,
+            version,
+            keys: Vec::new(),
+            deny: Vec::new(),
+            over_quota: Vec::new(),
+            debug_trace: Vec::new(),
+        }
+    }
 }
 
 /// A delta as sent and stored: `{"delta": {...}}`, told apart from a sealed envelope by

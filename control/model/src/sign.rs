@@ -279,7 +279,7 @@ mod tests {
         let (sealed, _) = Credentials::open(renumbered.as_bytes()).unwrap();
         assert!(sealed.verify(Some(&key)).is_err(), "the version is signed");
 
-        let delta = CredentialsDelta { base: 3, version: 4, keys: vec![], deny: vec![], over_quota: vec![] };
+        let delta = CredentialsDelta::between(3, 4);
         let doc = DeltaDoc::new(delta, Some(&signer)).unwrap();
         let back = DeltaDoc::parse(&serde_json::to_vec(&doc).unwrap()).unwrap().unwrap();
         back.verify(Some(&key)).unwrap();

@@ -77,7 +77,8 @@ proptest! {
 
 #[test]
 fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
-    use postern_model::credentials::{ApiKey, App, CredentialsDelta, KeyStatus, Priority};
+    use postern_model::credentials::{ApiKey, App, CredentialsDelta, KeyStatus, Priority, TraceFlag};
+    use postern_model::usage::CallerKind;
     let key = |id: &str, sha: &str, status: KeyStatus| ApiKey {
         id: id.into(),
         sha256: sha.into(),
@@ -96,13 +97,17 @@ fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
     whole.keys[0].status = KeyStatus::Revoked;
     whole.keys.insert(0, key("k2", &"2".repeat(64), KeyStatus::Active));
     let delta = CredentialsDelta {
-        base: 1,
-        version: 2,
         keys: vec![key("k1", &"1".repeat(64), KeyStatus::Revoked), key("k2", &"2".repeat(64), KeyStatus::Active)],
-        deny: vec![],
-        over_quota: vec![],
+        ..CredentialsDelta::between(1, 2)
     };
     assert!(base.with_delta(&delta).same_state(&whole), "order does not matter");
+    // A debug-trace flag replaces the caller's earlier one, whatever its expiry.
+    let flag = |until| TraceFlag { caller: "k1".into(), kind: CallerKind::Key, until };
+    let traced =
+        whole.with_delta(&CredentialsDelta { debug_trace: vec![flag(500)], ..CredentialsDelta::between(2, 3) });
+    assert!(!traced.same_state(&whole), "a flag is part of the state");
+    let off = traced.with_delta(&CredentialsDelta { debug_trace: vec![flag(100)], ..CredentialsDelta::between(3, 4) });
+    assert_eq!(off.debug_trace, vec![flag(100)]);
     // A difference the delta does not carry (an app) means it is not the whole version.
     whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: Priority::Standard });
     assert!(!base.with_delta(&delta).same_state(&whole));

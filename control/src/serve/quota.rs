@@ -114,13 +114,7 @@ impl Server {
             Change { kind: Lane::Credentials, content: &content, who: "quota-service", action: "quota", note: &note };
         let (v, changed) = self.store.publish(&change).await.map_err(|e| e.to_string())?;
         if changed {
-            let delta = CredentialsDelta {
-                base: base.number,
-                version: v.number,
-                keys: Vec::new(),
-                deny: Vec::new(),
-                over_quota: added,
-            };
+            let delta = CredentialsDelta { over_quota: added, ..CredentialsDelta::between(base.number, v.number) };
             self.offer_delta(&base, &v, delta, &was, &creds);
             eprintln!("posternctl serve: credentials v{}: {note}", v.number);
         }

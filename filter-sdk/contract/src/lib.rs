@@ -43,12 +43,21 @@ pub struct Context {
     /// when it admits the request; the proxy stamps them on every answer the request
     /// gets, whoever makes it.
     pub rate_limit: OnceLock<(HeaderValue, HeaderValue)>,
+    /// Set by the authentication filter when the caller is under a debug-trace flag:
+    /// every request of that caller is traced until the flag's expiry.
+    pub debug_trace: OnceLock<()>,
 }
 
 impl Context {
     /// A context with no caller yet.
     pub fn new(route_id: Arc<str>, request_id: HeaderValue) -> Context {
-        Context { route_id, request_id, identity: OnceLock::new(), rate_limit: OnceLock::new() }
+        Context {
+            route_id,
+            request_id,
+            identity: OnceLock::new(),
+            rate_limit: OnceLock::new(),
+            debug_trace: OnceLock::new(),
+        }
     }
 
     /// The verified caller, if the route authenticated one.
