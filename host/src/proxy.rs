@@ -198,7 +198,12 @@ impl Marks<'_> {
 
 /// Nanoseconds since `start`.
 fn since(start: Instant) -> u64 {
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    nanos(start.elapsed())
+}
+
+/// A duration in nanoseconds, for a mark.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The request as it arrived, kept for the access log (clones of shared bytes).
@@ -341,6 +346,12 @@ impl Exchange<'_> {
         Response::from_parts(parts, body.observed(logged, traced, self.start))
     }
 
+    /// The trace the request belongs to: the client's when it sent a valid
+    /// `traceparent`, else its own random id.
+    fn trace_id(&self) -> u128 {
+        self.tp.map_or(self.trace, |t| t.trace_id)
+    }
+
     /// Whether the caller is under a debug-trace flag.
     fn debug(&self) -> bool {
         self.cx.as_ref().is_some_and(|cx| cx.debug_trace.get().is_some())
@@ -409,7 +420,7 @@ impl Exchange<'_> {
             }
         }
         Box::new(postern_observe::trace::Trace {
-            trace_id: self.tp.map_or(self.trace, |t| t.trace_id),
+            trace_id: self.trace_id(),
             parent: self.tp.map_or(0, |t| t.parent),
             span_id: fastrand::u64(1..),
             debug: self.debug(),
@@ -436,7 +447,7 @@ impl Exchange<'_> {
             at: std::time::SystemTime::now().checked_sub(head),
             request_id: String::from_utf8_lossy(self.rid.as_bytes()).into_owned(),
             // The client's trace when it sent one: the line and the trace meet on it.
-            trace_id: format!("{:032x}", self.tp.map_or(self.trace, |t| t.trace_id)),
+            trace_id: format!("{:032x}", self.trace_id()),
             pool: self.pool.as_str(),
             method: seen.method.as_str().to_owned(),
             path: seen.uri.path().to_owned(),
@@ -665,7 +676,7 @@ async fn forward<'l>(
         (Some(_), tp) => tp.map_or(0, |t| t.flags),
         (None, tp) => tp.map_or(1, |t| t.flags),
     };
-    h.insert(TRACEPARENT, headers::traceparent(ex.tp.map_or(trace, |t| t.trace_id), span, flags));
+    h.insert(TRACEPARENT, headers::traceparent(ex.trace_id(), span, flags));
     if let Some(m) = ex.marks.as_mut() {
         m.up_span = span;
         m.to = parts.uri.authority().map(|a| (upstream, a.clone()));
@@ -765,7 +776,7 @@ async fn forward<'l>(
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     if let Some(m) = ex.marks.as_mut() {
-        m.sent = u64::try_from(sent.saturating_duration_since(ex.start).as_nanos()).unwrap_or(u64::MAX);
+        m.sent = nanos(sent.saturating_duration_since(ex.start));
     }
     if upstream.has_other() {
         // The budget's base: what was first sent to a cluster a retry can go to.

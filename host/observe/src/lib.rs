@@ -10,6 +10,7 @@
 //! - [`trace`]: OpenTelemetry traces of the same sampled requests, every server error
 //!   and every request of a caller under a debug flag, exported as OTLP/HTTP.
 
+mod drain;
 pub mod log;
 pub mod trace;
 

@@ -17,13 +17,13 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use crossbeam_queue::ArrayQueue;
 use serde::Serialize;
+
+use crate::drain::{Drain, sampled};
 
 /// Where and how much to log.
 #[derive(Debug, Clone)]
@@ -231,12 +231,10 @@ impl Record {
 
 /// The access log: a bounded queue in front of its own writer thread.
 pub struct AccessLog {
-    queue: ArrayQueue<Box<Record>>,
+    queue: Drain<Record>,
     success_per_10k: u32,
     /// Counters, for metrics.
     pub stats: LogStats,
-    stop: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for AccessLog {
@@ -250,45 +248,37 @@ impl AccessLog {
     pub fn start(settings: LogSettings, sink: Option<Box<dyn LineSink>>) -> io::Result<Arc<AccessLog>> {
         let file = Writer::open(&settings)?;
         let log = Arc::new(AccessLog {
-            queue: ArrayQueue::new(settings.capacity.max(1)),
+            queue: Drain::new(settings.capacity),
             success_per_10k: settings.success_per_10k.min(10_000),
             stats: LogStats::default(),
-            stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
         });
         let worker = log.clone();
-        let handle = std::thread::Builder::new().name("access-log".into()).spawn(move || worker.run(file, sink))?;
-        *log.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        log.queue.spawn("access-log", move || worker.run(file, sink))?;
         Ok(log)
     }
 
     /// Whether a request that ended with `status` is logged; `sample` is the request's
     /// random id (the same requests are sampled for traces).
     pub fn wants(&self, status: u16, sample: u128) -> bool {
-        status >= 400 || (sample % 10_000) < u128::from(self.success_per_10k)
+        status >= 400 || sampled(sample, self.success_per_10k)
     }
 
     /// Queues a record; a full queue drops it and counts the drop. Never blocks.
     pub fn submit(&self, record: Box<Record>) {
-        if self.queue.push(record).is_err() {
+        if !self.queue.push(record) {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// Writes what is queued and stops the thread (at shutdown, after the drain).
     pub fn shutdown(&self) {
-        self.stop.store(true, Ordering::Release);
-        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(h) = handle {
-            h.thread().unpark();
-            let _ = h.join();
-        }
+        self.queue.shutdown();
     }
 
     fn run(&self, mut file: Writer, mut sink: Option<Box<dyn LineSink>>) {
         let mut line = Vec::with_capacity(1024);
         loop {
-            let stopping = self.stop.load(Ordering::Acquire);
+            let stopping = self.queue.stopping();
             let mut n = 0;
             while let Some(r) = self.queue.pop() {
                 line.clear();
@@ -435,6 +425,7 @@ fn numbered(path: &Path, n: u32) -> PathBuf {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use std::sync::Mutex;
 
     fn record(status: u16) -> Box<Record> {
         Box::new(Record {

@@ -15,13 +15,11 @@
 //! timeout and never blocks a request.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use crossbeam_queue::ArrayQueue;
 use opentelemetry::trace::{SpanContext, SpanId, SpanKind as OtelKind, Status, TraceFlags, TraceId, TraceState};
 use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_http::{HttpClient, HttpError};
@@ -29,6 +27,7 @@ use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks};
 
+use crate::drain::{Drain, sampled};
 use crate::log::{CallerKind, Record};
 
 /// Where to export and how much to trace.
@@ -258,12 +257,10 @@ impl Trace {
 
 /// The tracer: a bounded queue in front of its own exporting thread.
 pub struct Tracer {
-    queue: ArrayQueue<Box<Trace>>,
+    queue: Drain<Trace>,
     success_per_10k: u32,
     /// Counters, for metrics.
     pub stats: TraceStats,
-    stop: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Tracer {
@@ -298,25 +295,19 @@ impl Tracer {
             .build();
         exporter.set_resource(&resource);
         let tracer = Arc::new(Tracer {
-            queue: ArrayQueue::new(settings.capacity.max(1)),
+            queue: Drain::new(settings.capacity),
             success_per_10k: settings.success_per_10k.min(10_000),
             stats: TraceStats::default(),
-            stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
         });
         let worker = tracer.clone();
-        let handle = std::thread::Builder::new()
-            .name("traces".into())
-            .spawn(move || worker.run(exporter))
-            .map_err(|e| format!("the traces thread: {e}"))?;
-        *tracer.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        tracer.queue.spawn("traces", move || worker.run(exporter)).map_err(|e| format!("the traces thread: {e}"))?;
         Ok(tracer)
     }
 
     /// Whether a request is traced from its start: its random id falls in the sample
     /// (the access log samples the same ids), or its caller is under a debug flag.
     pub fn samples(&self, sample: u128, debug: bool) -> bool {
-        debug || (sample % 10_000) < u128::from(self.success_per_10k)
+        debug || sampled(sample, self.success_per_10k)
     }
 
     /// Whether a request that ended with `status` is traced: sampled, or a server error.
@@ -326,27 +317,20 @@ impl Tracer {
 
     /// Queues a trace; a full queue drops it and counts the drop. Never blocks.
     pub fn submit(&self, trace: Box<Trace>) {
-        match self.queue.push(trace) {
-            Ok(()) => self.stats.queued.fetch_add(1, Ordering::Relaxed),
-            Err(_) => self.stats.dropped.fetch_add(1, Ordering::Relaxed),
-        };
+        let counter = if self.queue.push(trace) { &self.stats.queued } else { &self.stats.dropped };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Exports what is queued and stops the thread (at shutdown, after the drain).
     pub fn shutdown(&self) {
-        self.stop.store(true, Ordering::Release);
-        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(h) = handle {
-            h.thread().unpark();
-            let _ = h.join();
-        }
+        self.queue.shutdown();
     }
 
     fn run(&self, exporter: opentelemetry_otlp::SpanExporter) {
         let scope = InstrumentationScope::builder("postern").with_version(env!("CARGO_PKG_VERSION")).build();
         let mut batch: Vec<SpanData> = Vec::new();
         loop {
-            let stopping = self.stop.load(Ordering::Acquire);
+            let stopping = self.queue.stopping();
             loop {
                 while batch.len() < BATCH_SPANS
                     && let Some(t) = self.queue.pop()
@@ -477,13 +461,7 @@ mod tests {
 
     #[test]
     fn sampling_follows_the_request_id_and_keeps_errors_and_debug_callers() {
-        let t = Tracer {
-            queue: ArrayQueue::new(1),
-            success_per_10k: 100,
-            stats: TraceStats::default(),
-            stop: AtomicBool::new(false),
-            thread: Mutex::new(None),
-        };
+        let t = Tracer { queue: Drain::new(1), success_per_10k: 100, stats: TraceStats::default() };
         let sampled = (0..10_000_u128).filter(|&i| t.wants(200, i * 7919, false)).count();
         assert_eq!(sampled, 100, "1 % of ids");
         assert!(t.wants(503, 5_000, false), "a server error is kept");
