@@ -7,10 +7,16 @@
 #
 #   bash bench/wasm_cost.sh [module.wasm ...]     (default: the header-injector example)
 #
-# Needs: apt-get install nginx-light wrk. Env: DUR (default 6s), CONN (50), ROUNDS (5).
+# Needs: apt-get install nginx-light wrk. Env: DUR (default 6s), CONN (50), ROUNDS (5),
+# BIN_DIR (binaries to use instead of building target/release), RESETS (the nodes'
+# `--wasm-reset` ways, one node each, taking turns in every round; default "copy").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-cargo build --release -p postern -p posternctl --bins >&2
+if [ -z "${BIN_DIR:-}" ]; then
+  cargo build --release -p postern -p posternctl --bins >&2
+  BIN_DIR=$root/target/release
+fi
+bin=$(cd "$BIN_DIR" && pwd)
 make -C "$root" filters >&2
 [ $# -gt 0 ] || set -- "$root/target/filters/wasm32-wasip2/release/header_injector.wasm"
 work=$(mktemp -d)
@@ -44,43 +50,52 @@ for m in "$@"; do
   echo "  - { digest: \"sha256:$(sha256sum "$m" | cut -d' ' -f1)\", filter: $name, team: bench }" >> "$repo/platform/filters.yaml"
   route "$name" "/v1/$name" "$(printf '    wasmFilters:\n      - name: %s\n        config: { set: { x-bench: "1" } }\n' "$name")" >> "$repo/teams/bench/routes.yaml"
 done
-"$root/target/release/posternctl" compile "$repo" -o "$work/snapshot.json" >&2
+"$bin/posternctl" compile "$repo" -o "$work/snapshot.json" >&2
 sed "s#@WORK@#$work#g" "$root/../shared/bench/peers/backend.conf" > "$work/backend.conf"
 taskset -c 0 nginx -c "$work/backend.conf" -g "pid $work/b.pid;" &
 backend=$!
-POSTERN_LOG=warn taskset -c 1 "$root/target/release/postern" --snapshot "$work/snapshot.json" \
-  --public 127.0.0.1:18090 --admin 127.0.0.1:18092 --workers 1 &
-node=$!
-trap 'kill $node $backend 2>/dev/null; rm -rf "$work"' EXIT
-# The node listens once its snapshot is built: every module compiled and prepared for
-# its config, which takes a few seconds with several modules.
-for _ in $(seq 120); do
-  curl -sf -o /dev/null http://127.0.0.1:18092/healthz && break
-  kill -0 $node 2>/dev/null || { echo "the node exited" >&2; exit 1; }
-  sleep 0.25
+resets=(${RESETS:-copy})
+nodes=()
+trap 'kill "${nodes[@]}" $backend 2>/dev/null; rm -rf "$work"' EXIT
+for n in "${!resets[@]}"; do
+  POSTERN_LOG=warn taskset -c 1 "$bin/postern" --snapshot "$work/snapshot.json" --wasm-reset "${resets[$n]}" \
+    --public 127.0.0.1:$((18090 + 10 * n)) --partner 127.0.0.1:$((18091 + 10 * n)) \
+    --admin 127.0.0.1:$((18092 + 10 * n)) --workers 1 &
+  nodes+=($!)
+  # The node listens once its snapshot is built: every module compiled and prepared for
+  # its config, which takes a few seconds with several modules.
+  for _ in $(seq 120); do
+    curl -sf -o /dev/null http://127.0.0.1:$((18092 + 10 * n))/healthz && break
+    kill -0 ${nodes[$n]} 2>/dev/null || { echo "the node exited" >&2; exit 1; }
+    sleep 0.25
+  done
 done
-cpu_us() { # path -> CPU µs of the node per request
-  local before after out reqs
+cpu_us() { # node path -> CPU µs of node n per request
+  local node=${nodes[$1]} port=$((18090 + 10 * $1)) before after out reqs
   before=$(awk '{print $14+$15}' /proc/$node/stat)
-  out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-6s}" "http://127.0.0.1:18090$1" 2>&1)
+  out=$(taskset -c 0 wrk -t1 -c"${CONN:-50}" -d"${DUR:-6s}" "http://127.0.0.1:$port$2" 2>&1)
   after=$(awk '{print $14+$15}' /proc/$node/stat)
   reqs=$(echo "$out" | awk '/requests in/ {print $1}')
   if echo "$out" | grep -q Non-2xx; then
-    echo "$1: $(echo "$out" | awk '/Non-2xx/ {print $NF}') non-2xx of $reqs; the node's filter outcomes so far:" >&2
-    curl -s http://127.0.0.1:18092/metrics | grep -E '^postern_filter_calls_total' | grep -v -e ' 0$' -e 'outcome="ok"' >&2
+    echo "$2: $(echo "$out" | awk '/Non-2xx/ {print $NF}') non-2xx of $reqs; the node's filter outcomes so far:" >&2
+    curl -s http://127.0.0.1:$((18092 + 10 * $1))/metrics | grep -E '^postern_filter_calls_total' | grep -v -e ' 0$' -e 'outcome="ok"' >&2
   fi
   awk -v t=$((after - before)) -v r="$reqs" -v hz="$(getconf CLK_TCK)" 'BEGIN { printf "%.2f", t / hz / r * 1e6 }'
 }
 targets=(plain native "${names[@]}")
 declare -A runs
 for round in $(seq "${ROUNDS:-5}"); do
-  for t in "${targets[@]}"; do
-    runs[$t]="${runs[$t]:-} $(cpu_us "/v1/$t/1")"
+  for n in "${!resets[@]}"; do
+    for t in "${targets[@]}"; do
+      runs[$n.$t]="${runs[$n.$t]:-} $(cpu_us $n "/v1/$t/1")"
+    done
   done
   echo "round $round done" >&2
 done
-for t in "${targets[@]}"; do
-  # shellcheck disable=SC2086
-  median=$(printf '%s\n' ${runs[$t]} | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
-  printf '%-32s median %6s CPU µs/request   runs:%s\n' "$t" "$median" "${runs[$t]}"
+for n in "${!resets[@]}"; do
+  for t in "${targets[@]}"; do
+    # shellcheck disable=SC2086
+    median=$(printf '%s\n' ${runs[$n.$t]} | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+    printf '%-10s %-32s median %6s CPU µs/request   runs:%s\n' "${resets[$n]}" "$t" "$median" "${runs[$n.$t]}"
+  done
 done

@@ -75,6 +75,18 @@ pub struct Args {
     /// Wasm filter instances that may run at once.
     #[arg(long, default_value_t = 256)]
     pub wasm_instances: u32,
+    /// CPU milliseconds a Wasm filter's `init` may take at snapshot build (default: the
+    /// platform's deadline maximum, 50). Raise it only for a node run under a profiler
+    /// such as valgrind, where everything runs tens of times slower.
+    #[arg(long, value_name = "MS")]
+    pub wasm_init_deadline_ms: Option<u64>,
+    /// How a Wasm sandbox's memory is made fresh after each call: `copy` (restore the
+    /// module's first 128 KiB in place, no system call), `scan` (the kernel reports the
+    /// pages the call dirtied and only those are restored; Linux ≥ 6.7) or `decommit`
+    /// (the kernel drops the pages; the next call faults in what it touches). Every way
+    /// gives each call a fresh memory; which is cheapest depends on the host.
+    #[arg(long, value_name = "HOW", default_value = "copy")]
+    pub wasm_reset: postern_wasm::Reset,
     /// Redis for fleet-wide rate limits (`redis://host:port`; repeat, or separate with
     /// commas, for the seed nodes of a cluster). A URL with a password belongs in
     /// POSTERN_RATELIMIT_REDIS, not on the command line, where every process list shows
@@ -736,6 +748,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ),
         max_instances: args.wasm_instances.max(1),
         maxima: postern_model::wasm::Limits::MAXIMA,
+        init_deadline_ms: args.wasm_init_deadline_ms,
+        reset: args.wasm_reset,
         metering: true,
         // As many as the workers: at the lowest priority they take only idle CPU.
         pool_threads: args.workers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),

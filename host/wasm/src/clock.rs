@@ -57,7 +57,16 @@ pub(crate) fn tick() {
 /// CPU time the calling thread has used (user and system): what a filter's deadline
 /// measures. A system call (~0.3 µs here, against ~30 ns for the monotonic clock), so
 /// a call reads it only from its first epoch tick on, or when sampled.
+///
+/// Through the C library rather than rustix: rustix finds and checks the vDSO itself,
+/// which crashes a node run under valgrind (bytecodealliance/rustix#1559), and for a
+/// thread's CPU clock both end in the same system call.
+#[allow(unsafe_code)]
 pub(crate) fn thread_cpu() -> std::time::Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
-    std::time::Duration::try_from(t).unwrap_or_default()
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `t` is a valid `timespec` the call may write, and lives through it.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(u64::try_from(t.tv_sec).unwrap_or(0), u32::try_from(t.tv_nsec).unwrap_or(0))
 }

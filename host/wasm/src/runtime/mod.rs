@@ -113,11 +113,56 @@ pub struct RuntimeConfig {
     /// Threads of the idle pool, where calls that outran their slice on a worker run at
     /// the lowest CPU priority.
     pub pool_threads: usize,
+    /// CPU time a filter's `init` may take at snapshot build (default: the maxima's
+    /// deadline). Longer only where everything runs slower, as under a profiler.
+    pub init_deadline_ms: Option<u64>,
+    /// How a freed sandbox's memory is made fresh for the next call.
+    pub reset: Reset,
+}
+
+/// How the pooling allocator makes a freed instance's memory fresh again. Every way gives
+/// the next call the module's initial memory and nothing of the last call's; they differ
+/// in who finds the bytes to restore and what it costs on a given host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reset {
+    /// Restore the first 128 KiB in place (the image's bytes, zeros elsewhere) whatever
+    /// the call touched, and decommit the rest: user-space `memcpy`/`memset` of a small
+    /// filter's whole 64 KiB page, no system call.
+    #[default]
+    Copy,
+    /// Ask the kernel which pages of the first 128 KiB are dirty (`PAGEMAP_SCAN`, Linux
+    /// ≥ 6.7; elsewhere as `Copy`) and restore only those: pages a call never wrote (the
+    /// unused stack, read-only data, the arena's free end) are left alone, for one
+    /// `ioctl` per call.
+    Scan,
+    /// Restore nothing by hand: the kernel drops the slot's pages (`madvise`) and the
+    /// next call faults in what it touches, from the module's image or as zeros.
+    Decommit,
+}
+
+impl std::str::FromStr for Reset {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "copy" => Ok(Reset::Copy),
+            "scan" => Ok(Reset::Scan),
+            "decommit" => Ok(Reset::Decommit),
+            _ => Err(format!("`{s}` is not a reset: copy, scan or decommit")),
+        }
+    }
 }
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { cache_dir: None, max_instances: 1000, maxima: Limits::MAXIMA, metering: true, pool_threads: 2 }
+        RuntimeConfig {
+            cache_dir: None,
+            max_instances: 1000,
+            maxima: Limits::MAXIMA,
+            metering: true,
+            pool_threads: 2,
+            init_deadline_ms: None,
+            reset: Reset::Copy,
+        }
     }
 }
 
@@ -173,6 +218,8 @@ pub struct Runtime {
     pool: std::sync::mpsc::SyncSender<Job>,
     /// Platform maxima.
     pub maxima: Limits,
+    /// CPU time of a filter's `init` ([`RuntimeConfig::init_deadline_ms`]).
+    init_deadline_ms: u64,
     metering: bool,
 }
 
@@ -246,13 +293,13 @@ impl Runtime {
         // bytes, zeros elsewhere) in place instead of unmapping it, so the next instance
         // starts on resident pages instead of faulting them in again; beyond that it is
         // decommitted. A filter built with the SDK fits in one 64 KiB page when it is
-        // small (docs/filters.md), so this restores 64 KiB. Asking the kernel which
-        // pages were dirtied (`PAGEMAP_SCAN`) and restoring only those costs more here:
-        // the ioctl alone took ~2 µs per call against ~1 µs to restore 64 KiB
-        // (BENCHMARKS.md, Wasm filters).
-        pool.linear_memory_keep_resident(128 << 10);
-        pool.table_keep_resident(64 << 10);
-        pool.pagemap_scan(wasmtime::Enabled::No);
+        // small (docs/filters.md), so this restores 64 KiB. Which of the ways costs least
+        // depends on the host's memory and system calls (BENCHMARKS.md, "The fresh
+        // sandbox's reset"): `Reset`.
+        let keep = if cfg.reset == Reset::Decommit { 0 } else { 128 << 10 };
+        pool.linear_memory_keep_resident(keep);
+        pool.table_keep_resident(keep.min(64 << 10));
+        pool.pagemap_scan(if cfg.reset == Reset::Scan { wasmtime::Enabled::Auto } else { wasmtime::Enabled::No });
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         if let Some(dir) = &cfg.cache_dir {
             std::fs::create_dir_all(dir)?;
@@ -275,6 +322,7 @@ impl Runtime {
             epoch,
             pool: start_pool(cfg.pool_threads)?,
             maxima: cfg.maxima,
+            init_deadline_ms: cfg.init_deadline_ms.unwrap_or(cfg.maxima.deadline_ms),
             metering: cfg.metering,
         }))
     }
@@ -492,6 +540,32 @@ pub(crate) mod tests {
         for _ in 0..3 {
             assert_eq!(set_header(call(&rt, &ks).result.as_ref().unwrap(), "x-count").as_deref(), Some("1"));
         }
+    }
+
+    /// Whichever way a freed slot is reset, each call starts on the module's initial
+    /// memory: one slot of each kind (so every call reuses it), a filter that counts its
+    /// calls in a static, pre-initialised, and between its calls others that write their
+    /// memory (a header set from a parsed config, a memory bomb up to its limit).
+    #[test]
+    fn every_reset_gives_each_call_a_fresh_memory() {
+        for reset in [Reset::Copy, Reset::Scan, Reset::Decommit] {
+            let rt = Runtime::new(&RuntimeConfig { max_instances: 1, reset, ..Default::default() }).unwrap();
+            let ks = binding(&rt, "keeps_state", "", Limits::default());
+            let ks = Binding { module: rt.prepare(&ks.module, b"", &ks.limits).unwrap(), ..ks };
+            let config = r#"{"set":{"x-team":"payments"}}"#;
+            let hi = binding(&rt, "header_injector", config, Limits::default());
+            let hi = Binding { module: rt.prepare(&hi.module, config.as_bytes(), &hi.limits).unwrap(), ..hi };
+            let bomb = binding(&rt, "memory_bomb", "", Limits::default());
+            for i in 0..4 {
+                let c = call(&rt, &ks);
+                assert_eq!(set_header(c.result.as_ref().unwrap(), "x-count").as_deref(), Some("1"), "{reset:?} {i}");
+                let c = call(&rt, &hi);
+                assert_eq!(set_header(c.result.as_ref().unwrap(), "x-team").as_deref(), Some("payments"), "{reset:?}");
+                let _ = call(&rt, &bomb);
+            }
+        }
+        assert_eq!("scan".parse::<Reset>(), Ok(Reset::Scan));
+        assert_eq!("zero".parse::<Reset>().unwrap_err(), "`zero` is not a reset: copy, scan or decommit");
     }
 
     #[test]

@@ -56,12 +56,12 @@ impl Runtime {
     }
 
     /// The binding `init` runs with: the platform's fuel and time maxima (it does not
-    /// run on the request path) and the attachment's memory limit (its state must fit
-    /// the requests' memory).
+    /// run on the request path; the time as configured, [`super::RuntimeConfig`]) and the
+    /// attachment's memory limit (its state must fit the requests' memory).
     fn init_binding(&self, module: &Arc<Module>, config: &[u8], limits: &Limits) -> Binding {
         Binding {
             module: module.clone(),
-            limits: Limits { fuel: self.maxima.fuel, deadline_ms: self.maxima.deadline_ms, ..*limits },
+            limits: Limits { fuel: self.maxima.fuel, deadline_ms: self.init_deadline_ms, ..*limits },
             config: Arc::from(config),
             stats: Arc::new(FilterStats::default()),
             tag: Arc::from(format!("init of {}", module.digest)),
