@@ -4,7 +4,7 @@
 //! hygiene, no policy, no metrics. What postern spends beyond this is its own work. It
 //! allocates with mimalloc, as the node does, so that the difference is not the allocator.
 //!
-//!   postern-floor --listen 127.0.0.1:18380 --backend 127.0.0.1:18080
+//!   postern-floor --listen 127.0.0.1:18390 --backend 127.0.0.1:18080
 
 use std::net::SocketAddr;
 use std::sync::Arc;

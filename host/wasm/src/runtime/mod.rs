@@ -294,8 +294,8 @@ impl Runtime {
         // starts on resident pages instead of faulting them in again; beyond that it is
         // decommitted. A filter built with the SDK fits in one 64 KiB page when it is
         // small (docs/filters.md), so this restores 64 KiB. Which of the ways costs least
-        // depends on the host's memory and system calls (BENCHMARKS.md, "The fresh
-        // sandbox's reset"): `Reset`.
+        // depends on the host's memory and system calls (`Reset`; BENCHMARKS.md,
+        // "Instructions per request beside nginx, and the fresh sandbox's reset").
         let keep = if cfg.reset == Reset::Decommit { 0 } else { 128 << 10 };
         pool.linear_memory_keep_resident(keep);
         pool.table_keep_resident(keep.min(64 << 10));
