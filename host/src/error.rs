@@ -71,7 +71,7 @@ pub enum ProxyError {
     BodyBroken(#[source] crate::body::BodyError),
     /// The client's body stream broke off while it was streamed to the backend.
     #[error("the request body broke off")]
-    ClientBodyBroken(#[source] hyper_util::client::legacy::Error),
+    ClientBodyBroken(#[source] crate::upstream::Error),
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
@@ -90,10 +90,10 @@ pub enum ProxyError {
     NoEndpoint,
     /// The backend did not accept the connection within the connect timeout.
     #[error("the backend did not accept the connection in time")]
-    ConnectTimeout(#[source] hyper_util::client::legacy::Error),
+    ConnectTimeout(#[source] crate::upstream::Error),
     /// The backend refused the connection.
     #[error("the backend refused the connection")]
-    ConnectRefused(#[source] hyper_util::client::legacy::Error),
+    ConnectRefused(#[source] crate::upstream::Error),
     /// The backend did not answer within the route's response timeout.
     #[error("the backend did not answer within {} ms", .timeout.as_millis())]
     ResponseTimeout {
@@ -102,7 +102,7 @@ pub enum ProxyError {
     },
     /// The backend closed or reset the connection after the request was sent.
     #[error("the backend closed or reset the connection")]
-    UpstreamBroken(#[source] hyper_util::client::legacy::Error),
+    UpstreamBroken(#[source] crate::upstream::Error),
     /// The route's validator refused the request (its OpenAPI operation).
     #[error("{0}")]
     Refused(#[from] postern_validate::Refusal),
@@ -159,7 +159,7 @@ impl ProxyError {
     /// body over the limit is the caller's; a connect failure is a timeout when an
     /// [`std::io::ErrorKind::TimedOut`] is in its sources (the connector's own timeout),
     /// else a refusal; anything else happened after the request was sent.
-    pub fn from_client(e: hyper_util::client::legacy::Error, limit: u64) -> ProxyError {
+    pub fn from_client(e: crate::upstream::Error, limit: u64) -> ProxyError {
         if crate::body::is_too_large(&e) {
             return ProxyError::BodyTooLarge { limit };
         }
@@ -216,20 +216,25 @@ mod tests {
     }
 
     /// The client's errors, made by a real client against real sockets: a refused
-    /// connection, a connect that cannot finish in time, and a backend that closes after
-    /// reading the request.
+    /// connection, and a backend that closes after reading the request.
     #[tokio::test]
     async fn client_failures_are_classified_by_kind() {
         use crate::body::UpstreamBody;
-        let client = crate::upstream::Clients::default().get(Duration::from_millis(200), &Default::default()).unwrap();
-        let send = |uri: String| {
-            let req = http::Request::get(uri).body(UpstreamBody::Full(None)).unwrap();
-            client.request(req)
+        let mut clients = crate::upstream::Clients::default();
+        let transport = crate::upstream::Transport::default();
+        let client = clients.get(Duration::from_millis(200), &transport).unwrap();
+        let mut send = |addr: String| {
+            let pool = clients.pool(&transport, &addr.parse().unwrap());
+            let client = client.clone();
+            async move {
+                let req = http::Request::get(format!("http://{addr}/")).body(UpstreamBody::Full(None)).unwrap();
+                client.send(&pool, req).await
+            }
         };
 
         // Refused: a port nobody listens on.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let e = send(format!("http://127.0.0.1:{port}/")).await.unwrap_err();
+        let e = send(format!("127.0.0.1:{port}")).await.unwrap_err();
         let e = ProxyError::from_client(e, 10);
         assert!(matches!(e, ProxyError::ConnectRefused(_)), "{e:?}");
         assert_eq!(e.origin(), Origin::UpstreamConnect);
@@ -244,7 +249,7 @@ mod tests {
                 let _ = s.read(&mut buf).await;
             }
         });
-        let e = send(format!("http://{addr}/")).await.unwrap_err();
+        let e = send(addr.to_string()).await.unwrap_err();
         let e = ProxyError::from_client(e, 10);
         assert!(matches!(e, ProxyError::UpstreamBroken(_)), "{e:?}");
         assert_eq!(e.origin(), Origin::UpstreamSent);

@@ -161,7 +161,7 @@ fn line_byte(state: State, b: u8) -> State {
 fn head_end(b: &[u8]) -> Option<usize> {
     let start = b.iter().position(|&c| c != b'\r' && c != b'\n')?;
     let mut i = start;
-    while let Some(off) = b[i..].iter().position(|&c| c == b'\n') {
+    while let Some(off) = memchr::memchr(b'\n', &b[i..]) {
         let nl = i + off;
         match b.get(nl + 1) {
             Some(b'\n') => return Some(nl + 2),
@@ -190,7 +190,7 @@ fn judge(head: &[u8]) -> Verdict {
     let mut first = true;
     let mut pos = 0;
     while pos < head.len() {
-        let Some(off) = head[pos..].iter().position(|&c| c == b'\n') else { break };
+        let Some(off) = memchr::memchr(b'\n', &head[pos..]) else { break };
         let nl = pos + off;
         if nl == 0 || head[nl - 1] != b'\r' {
             return Verdict::BareLf;
@@ -200,7 +200,7 @@ fn judge(head: &[u8]) -> Verdict {
         if std::mem::take(&mut first) || line.is_empty() {
             continue;
         }
-        let Some(colon) = line.iter().position(|&c| c == b':') else { continue };
+        let Some(colon) = memchr::memchr(b':', line) else { continue };
         let (name, value) = (&line[..colon], trim(&line[colon + 1..]));
         if name.eq_ignore_ascii_case(b"content-length") {
             let n = std::str::from_utf8(value).ok().and_then(|v| v.parse::<u64>().ok());

@@ -917,9 +917,10 @@ async fn exchange(
     fate: Option<&crate::body::Fate>,
 ) -> Result<Response<Incoming>, ProxyError> {
     let upstream = &*backend.upstream;
+    let pool = upstream.pool(host).ok_or(ProxyError::NoEndpoint)?;
     let waiting = upstream.hosts.start(host);
     let sent = Instant::now();
-    let result = tokio::time::timeout(left, backend.client.request(up)).await;
+    let result = tokio::time::timeout(left, backend.client.send(pool, up)).await;
     drop(waiting);
     let done = Instant::now();
     if !matches!(result, Ok(Err(_))) {

@@ -669,6 +669,18 @@ fn watch_dirs(files: &[&Path], changed: &Arc<tokio::sync::Notify>) -> Option<not
 
 /// Reloads the snapshot and credential files when they change (told by the kernel, with a
 /// slow backstop poll; or polled every `every` where it cannot tell) or on SIGHUP.
+/// Every 10 s, closes the backend connections idle for longer than the idle timeout.
+async fn close_idle_connections(builder: Arc<Builder>, mut stop: watch::Receiver<bool>) {
+    let every = Duration::from_secs(10);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => builder.close_idle_connections(),
+            _ = stop.changed() => return,
+        }
+    }
+}
+
 async fn watch_snapshot(
     gw: Arc<Gateway>,
     builder: Arc<Builder>,
@@ -980,6 +992,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
         tokio::spawn(crate::shedding::run(gw.clone(), args.workers, stop_rx.clone())),
+        tokio::spawn(close_idle_connections(builder.clone(), stop_rx.clone())),
         tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];
 

@@ -72,6 +72,8 @@ pub struct Upstream {
     pub scheme: http::uri::Scheme,
     /// Open connections by backend host (the node's, across clusters).
     conns: Arc<crate::upstream::Conns>,
+    /// Each host's idle connections, by the hosts' index.
+    pools: Vec<Arc<crate::upstream::HostPool>>,
 }
 
 /// The share of a cluster's cap, in percent, each class may fill (by rank: `critical`,
@@ -94,6 +96,11 @@ impl Upstream {
     pub fn pick(&self, now: std::time::Instant) -> Option<(usize, &Authority)> {
         let i = self.hosts.pick(now, [fastrand::u32(..), fastrand::u32(..)])?;
         Some((i, self.endpoints.get(i)?))
+    }
+
+    /// The idle connections of host `i` (an index [`Upstream::pick`] gave).
+    pub fn pool(&self, i: usize) -> Option<&Arc<crate::upstream::HostPool>> {
+        self.pools.get(i)
     }
 
     /// Whether the cluster has two hosts or more (a retry goes to another).
@@ -491,6 +498,14 @@ impl Builder {
         }
     }
 
+    /// Closes backend connections idle for longer than the idle timeout; skipped while
+    /// a snapshot is being built (the next sweep does it).
+    pub fn close_idle_connections(&self) {
+        if let Ok(clients) = self.clients.try_lock() {
+            clients.close_idle();
+        }
+    }
+
     /// Presents `identity` (the node's client certificate) to every TLS cluster, from
     /// the next snapshot on (call before the first).
     pub fn use_upstream_identity(&mut self, identity: Arc<crate::upstream::Identity>) {
@@ -552,7 +567,9 @@ impl Builder {
     /// Builds a snapshot; refuses it whole if any route cannot be built.
     pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
         let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
-        let conns = self.clients.lock().unwrap_or_else(|p| p.into_inner()).conns.clone();
+        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
+        clients.forget_unused_pools();
+        let conns = clients.conns.clone();
         let gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
         let mut staged: Vec<(String, Guards)> = Vec::with_capacity(snapshot.clusters.len());
         for (name, c) in &snapshot.clusters {
@@ -604,6 +621,8 @@ impl Builder {
                 endpoints: c.endpoints.clone(),
             };
             let max_inflight = c.max_connections.max(1);
+            let transport = crate::upstream::Transport { http2: c.http2, tls: c.tls.clone() };
+            let pools = endpoints.iter().map(|a| clients.pool(&transport, a)).collect();
             upstreams.insert(
                 name,
                 Arc::new(Upstream {
@@ -619,8 +638,9 @@ impl Builder {
                     shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
                     reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
                     scheme: if c.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP },
-                    transport: crate::upstream::Transport { http2: c.http2, tls: c.tls.clone() },
+                    transport,
                     conns: conns.clone(),
+                    pools,
                 }),
             );
             staged.push((name.clone(), guards));
@@ -629,7 +649,6 @@ impl Builder {
 
         let mut public = RouterBuilder::new();
         let mut partner = RouterBuilder::new();
-        let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         for r in &snapshot.routes {
             let err = |reason: String| BuildError::Route { route: r.id.clone(), reason };
             let id: Arc<str> = Arc::from(r.id.as_str());

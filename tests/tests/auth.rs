@@ -221,7 +221,11 @@ async fn credentials_reach_backends_only_as_identity() {
         ("malformed key", vec![("x-api-key", "ak_live_123".into())], StatusCode::UNAUTHORIZED, "invalid_credentials"),
         (
             "bad checksum",
-            vec![("x-api-key", format!("{}0", &s.key[..s.key.len() - 1]))],
+            // The last character changed (to `0`, or to `1` when it is a `0`).
+            vec![(
+                "x-api-key",
+                format!("{}{}", &s.key[..s.key.len() - 1], if s.key.ends_with('0') { '1' } else { '0' }),
+            )],
             StatusCode::UNAUTHORIZED,
             "invalid_credentials",
         ),
