@@ -667,8 +667,6 @@ fn watch_dirs(files: &[&Path], changed: &Arc<tokio::sync::Notify>) -> Option<not
     Some(watcher)
 }
 
-/// Reloads the snapshot and credential files when they change (told by the kernel, with a
-/// slow backstop poll; or polled every `every` where it cannot tell) or on SIGHUP.
 /// Every 10 s, closes the backend connections idle for longer than the idle timeout.
 async fn close_idle_connections(builder: Arc<Builder>, mut stop: watch::Receiver<bool>) {
     let every = Duration::from_secs(10);
@@ -681,6 +679,8 @@ async fn close_idle_connections(builder: Arc<Builder>, mut stop: watch::Receiver
     }
 }
 
+/// Reloads the snapshot and credential files when they change (told by the kernel, with a
+/// slow backstop poll; or polled every `every` where it cannot tell) or on SIGHUP.
 async fn watch_snapshot(
     gw: Arc<Gateway>,
     builder: Arc<Builder>,

@@ -547,6 +547,16 @@ mod tests {
         (addr.to_string().parse().unwrap(), accepted)
     }
 
+    /// Connections to `host` (over h2c when `http2`): the clients, their client and the
+    /// host's pool.
+    fn to(host: &Authority, http2: bool) -> (Clients, Client, Arc<HostPool>) {
+        let mut clients = Clients::default();
+        let transport = Transport { http2, tls: None };
+        let client = clients.get(Duration::from_secs(1), &transport).unwrap();
+        let pool = clients.pool(&transport, host);
+        (clients, client, pool)
+    }
+
     fn get(host: &Authority) -> Request<UpstreamBody> {
         let mut req = Request::get(format!("http://{host}/x?y=1")).body(UpstreamBody::Full(None)).unwrap();
         req.headers_mut().insert(http::header::HOST, http::HeaderValue::from_str(host.as_str()).unwrap());
@@ -570,10 +580,7 @@ mod tests {
     #[tokio::test]
     async fn an_http1_connection_is_reused_once_its_answer_is_read() {
         let (host, accepted) = backend(false, false).await;
-        let mut clients = Clients::default();
-        let transport = Transport::default();
-        let client = clients.get(Duration::from_secs(1), &transport).unwrap();
-        let pool = clients.pool(&transport, &host);
+        let (clients, client, pool) = to(&host, false);
         for _ in 0..5 {
             let resp = client.send(&pool, get(&host)).await.unwrap();
             assert_eq!(resp.status(), 200);
@@ -594,10 +601,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_the_backend_closed_is_not_taken_again() {
         let (host, accepted) = backend(false, true).await;
-        let mut clients = Clients::default();
-        let transport = Transport::default();
-        let client = clients.get(Duration::from_secs(1), &transport).unwrap();
-        let pool = clients.pool(&transport, &host);
+        let (clients, client, pool) = to(&host, false);
         for i in 1..=3 {
             let resp = client.send(&pool, get(&host)).await.unwrap();
             assert_eq!(body(resp).await, "ok");
@@ -611,10 +615,7 @@ mod tests {
     #[tokio::test]
     async fn http2_exchanges_share_one_connection() {
         let (host, accepted) = backend(true, false).await;
-        let mut clients = Clients::default();
-        let transport = Transport { http2: true, tls: None };
-        let client = clients.get(Duration::from_secs(1), &transport).unwrap();
-        let pool = clients.pool(&transport, &host);
+        let (_clients, client, pool) = to(&host, true);
         let first = client.send(&pool, get(&host)).await.unwrap();
         assert_eq!(body(first).await, "ok");
         let sends: Vec<_> = (0..20).map(|_| client.send(&pool, get(&host))).collect();
@@ -627,10 +628,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_close_after_the_idle_timeout() {
         let (host, _) = backend(false, false).await;
-        let mut clients = Clients::default();
-        let transport = Transport::default();
-        let client = clients.get(Duration::from_secs(1), &transport).unwrap();
-        let pool = clients.pool(&transport, &host);
+        let (clients, client, pool) = to(&host, false);
         let (a, b) = tokio::join!(client.send(&pool, get(&host)), client.send(&pool, get(&host)));
         let _ = (body(a.unwrap()).await, body(b.unwrap()).await);
         until(|| pool.lock().len() == 2).await;
