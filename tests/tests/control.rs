@@ -699,8 +699,12 @@ async fn a_revocation_reaches_every_node_through_the_signed_directory_when_their
     let nodes: Vec<Node> = (0..2)
         .map(|i| start_node_with(&cp.url, &work.path().join(format!("n{i}")), &format!("node-{i}"), &poll))
         .collect();
+    // A node starts with the snapshot; the new key reaches it on its credentials stream.
     for n in &nodes {
-        assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status, StatusCode::OK);
+        wait_for("the new key on every node", Duration::from_secs(10), async || {
+            get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status == StatusCode::OK
+        })
+        .await;
     }
     // The control plane the nodes stream from dies. The key service runs again elsewhere
     // (a second instance on the same store, same key) and the leaked key is revoked: the
