@@ -256,7 +256,8 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         None => None,
     };
     server.write_published().await;
-    let listener = tokio::net::TcpListener::bind(settings.listen).await?;
+    // Room for a fleet of nodes reconnecting at once (`TcpListener::bind` asks for 128).
+    let listener = postern_model::net::listen(settings.listen, postern_model::net::BACKLOG)?;
     let addr = listener.local_addr()?;
     eprintln!("posternctl serve: listening on {addr}");
     outln!("{addr}");

@@ -39,6 +39,11 @@ pub struct Args {
     /// Admin listener (health, metrics, snapshot).
     #[arg(long, default_value = "127.0.0.1:9901")]
     pub admin: SocketAddr,
+    /// Connections each listener holds that the kernel has completed and the node has
+    /// not yet accepted (capped by `net.core.somaxconn`). When this queue is full the
+    /// kernel drops new handshakes and their clients wait a second or more to retry.
+    #[arg(long, default_value_t = postern_model::net::BACKLOG)]
+    pub listen_backlog: u32,
     /// PEM certificate chain: serve both pools over TLS (ALPN h2, http/1.1).
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -962,10 +967,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         (Some(c), Some(k)) => Some(load_tls(c, k)?),
         _ => None,
     };
-    let public = TcpListener::bind(args.public).await.with_context(|| format!("cannot listen on {}", args.public))?;
-    let partner =
-        TcpListener::bind(args.partner).await.with_context(|| format!("cannot listen on {}", args.partner))?;
-    let admin = TcpListener::bind(args.admin).await.with_context(|| format!("cannot listen on {}", args.admin))?;
+    let listen = |addr: SocketAddr| {
+        postern_model::net::listen(addr, args.listen_backlog).with_context(|| format!("cannot listen on {addr}"))
+    };
+    let (public, partner, admin) = (listen(args.public)?, listen(args.partner)?, listen(args.admin)?);
     let (pa, pb, ad) = (public.local_addr()?, partner.local_addr()?, admin.local_addr()?);
     tracing::info!(public = %pa, partner = %pb, admin = %ad, tls = tls.is_some(), "listening");
     if let Some(p) = &args.ports_file {

@@ -15,6 +15,8 @@ use sha2::{Digest, Sha256};
 pub mod apikey;
 pub mod credentials;
 pub mod disk;
+#[cfg(feature = "tls")]
+pub mod net;
 /// The one canonical form of a request path (shared with the filter SDK).
 pub use postern_filter_rules::path;
 pub mod protocol;

@@ -41,7 +41,6 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 #[derive(Parser)]
@@ -281,7 +280,8 @@ async fn main() -> anyhow::Result<()> {
         )?)),
         _ => None,
     };
-    let listener = TcpListener::bind(args.listen).await?;
+    // Room for a gateway pool's burst of new connections (`TcpListener::bind` asks for 128).
+    let listener = postern_model::net::listen(args.listen, postern_model::net::BACKLOG)?;
     let addr = listener.local_addr()?;
     if let Some(p) = &args.port_file {
         let tmp = p.with_extension("tmp");
