@@ -650,7 +650,7 @@ async fn forward<'l>(
             .ok_or(ProxyError::BadRequest("the rewritten path is not valid"))?,
     };
     let mut uri_parts = http::uri::Parts::default();
-    uri_parts.scheme = Some(upstream.scheme.clone());
+    uri_parts.scheme = Some(upstream.transport.scheme());
     uri_parts.authority = Some(endpoint);
     uri_parts.path_and_query = Some(pq);
     parts.uri = Uri::from_parts(uri_parts).map_err(|_| ProxyError::Internal("cannot build the upstream URI"))?;

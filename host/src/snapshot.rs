@@ -68,8 +68,6 @@ pub struct Upstream {
     reserved_from: u32,
     /// How the gateway speaks to its hosts.
     pub transport: crate::upstream::Transport,
-    /// `https` for a TLS cluster, else `http`.
-    pub scheme: http::uri::Scheme,
     /// Open connections by backend host (the node's, across clusters).
     conns: Arc<crate::upstream::Conns>,
     /// Each host's idle connections, by the hosts' index.
@@ -84,7 +82,7 @@ impl Upstream {
     /// Connections open to the cluster's hosts now (a host shared with another cluster
     /// counts in both).
     pub fn open_connections(&self) -> u64 {
-        let default = if self.scheme == http::uri::Scheme::HTTPS { 443 } else { 80 };
+        let default = if self.transport.tls.is_some() { 443 } else { 80 };
         self.endpoints
             .iter()
             .map(|a| self.conns.open(&format!("{}:{}", a.host(), a.port_u16().unwrap_or(default))))
@@ -637,7 +635,6 @@ impl Builder {
                     latency: guards.latency.clone(),
                     shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
                     reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
-                    scheme: if c.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP },
                     transport,
                     conns: conns.clone(),
                     pools,

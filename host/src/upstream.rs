@@ -266,6 +266,13 @@ pub struct Transport {
     pub tls: Option<postern_model::ClusterTls>,
 }
 
+impl Transport {
+    /// The scheme of the hosts' URIs: `https` with TLS, else `http`.
+    pub fn scheme(&self) -> http::uri::Scheme {
+        if self.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP }
+    }
+}
+
 /// The node's client certificate for TLS to backends (mTLS).
 #[derive(Debug)]
 pub struct Identity {
@@ -404,9 +411,8 @@ impl Clients {
         if let Some(p) = self.pools.get(&key) {
             return p.clone();
         }
-        let scheme = if transport.tls.is_some() { http::uri::Scheme::HTTPS } else { http::uri::Scheme::HTTP };
         let mut dst = http::uri::Parts::default();
-        dst.scheme = Some(scheme);
+        dst.scheme = Some(transport.scheme());
         dst.authority = Some(host.clone());
         dst.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
         // A scheme, an authority and a path always make a URI.
