@@ -171,6 +171,10 @@ enum Command {
         /// Wait up to this many seconds for every live node to apply new credentials.
         #[arg(long, default_value_t = 0)]
         wait_acks: u64,
+        /// Wait up to this many seconds (at most 60) until the first stage's nodes serve
+        /// a new snapshot, and fail if they do not; 0 answers once it is published.
+        #[arg(long, default_value_t = 60)]
+        wait: u64,
     },
     /// Publish an earlier snapshot's contents as a new version, to every node at once.
     Rollback {
@@ -179,11 +183,19 @@ enum Command {
         /// The version whose contents to publish again.
         #[arg(long)]
         to: u64,
+        /// Wait up to this many seconds (at most 60) until every live node serves it, and
+        /// fail if one does not; 0 answers once it is published.
+        #[arg(long, default_value_t = 60)]
+        wait: u64,
     },
     /// Which nodes run which version.
     Status {
         #[command(flatten)]
         control: ControlArgs,
+        /// Wait up to this many seconds until no rollout is in progress and every live
+        /// node runs the head, then show the status; fail if the fleet does not settle.
+        #[arg(long, default_value_t = 0)]
+        wait: u64,
     },
     /// Trace every request of one API key or OAuth app for a while, on every node (a
     /// fast-lane change; the flag carries its expiry, so tracing turns itself off).
@@ -949,11 +961,13 @@ fn main() -> ExitCode {
             report(serve(settings, &store, signing_key.as_deref()))
         }
         Command::SigningKey { command } => report(signing_key(command)),
-        Command::Publish { control, wait_acks } => {
-            report(call(&control, "POST", &format!("/v1/publish?wait_acks={wait_acks}")))
+        Command::Publish { control, wait_acks, wait } => {
+            report(call_served(&control, &format!("/v1/publish?wait_acks={wait_acks}&wait={wait}")))
         }
-        Command::Rollback { control, to } => report(call(&control, "POST", &format!("/v1/rollback?to={to}"))),
-        Command::Status { control } => report(call(&control, "GET", "/v1/status")),
+        Command::Rollback { control, to, wait } => {
+            report(call_served(&control, &format!("/v1/rollback?to={to}&wait={wait}")))
+        }
+        Command::Status { control, wait } => report(status(&control, Duration::from_secs(wait))),
         Command::Trace { control, which, duration, off, wait_acks } => {
             report(trace(&control, which, if off { Duration::ZERO } else { duration }, wait_acks))
         }
@@ -1110,8 +1124,13 @@ fn signing_key(command: SigningKeyCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One request to the control plane; prints the answer (the summary line for status).
+/// One request to the control plane; prints the answer (its summary line first).
 fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
+    print_answer(ask(control, method, path)?)
+}
+
+/// One request to the control plane: its status and JSON answer.
+fn ask(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<(http::StatusCode, serde_json::Value)> {
     let url = format!("{}{path}", control.control.trim_end_matches('/'));
     let (status, body) = runtime()?.block_on(posternctl::serve::request_with(
         method,
@@ -1120,11 +1139,47 @@ fn call(control: &ControlArgs, method: &str, path: &str) -> anyhow::Result<()> {
         control.control_ca.as_deref(),
         None,
     ))?;
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    Ok((status, serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null)))
+}
+
+fn print_answer((status, v): (http::StatusCode, serde_json::Value)) -> anyhow::Result<()> {
     if let Some(summary) = v["summary"].as_str() {
         outln!("{summary}");
     }
     outln!("{}", serde_json::to_string_pretty(&v)?);
     anyhow::ensure!(status.is_success(), "control plane answered {status}");
     Ok(())
+}
+
+/// A publish or a rollback that waits for nodes to serve it: fails when one refused it
+/// or did not serve it in time.
+fn call_served(control: &ControlArgs, path: &str) -> anyhow::Result<()> {
+    let (status, v) = ask(control, "POST", path)?;
+    let served = v["snapshot"]["served"].clone();
+    print_answer((status, v))?;
+    anyhow::ensure!(
+        served.is_null() || served["complete"] == true,
+        "not served everywhere it should be: behind {}, refused {}",
+        served["behind"],
+        served["refused"]
+    );
+    Ok(())
+}
+
+/// `posternctl status`, after waiting (up to `wait`) for the fleet to settle: no rollout
+/// in progress and every live node on the head.
+fn status(control: &ControlArgs, wait: Duration) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let (code, v) = ask(control, "GET", "/v1/status")?;
+        let settled = v["rollout"].is_null() && v["laggards"].as_array().is_some_and(Vec::is_empty);
+        if wait.is_zero() || !code.is_success() || settled {
+            return print_answer((code, v));
+        }
+        if std::time::Instant::now() >= deadline {
+            print_answer((code, v))?;
+            anyhow::bail!("the fleet did not settle within {} s", wait.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }

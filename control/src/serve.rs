@@ -8,7 +8,10 @@
 //! says who is on what. Publishing (`POST /v1/publish`) compiles the repository with the
 //! same compiler as `posternctl compile` and refuses, untouched, anything that fails;
 //! `POST /v1/rollback?to=N` publishes version N's contents as a new version. The fast
-//! lane (credentials) can wait for every live node's ACK before answering (`?wait_acks=S`).
+//! lane (credentials) can wait for every live node's ACK before answering (`?wait_acks=S`);
+//! a publish can wait until the first stage's nodes serve the new snapshot, a rollback
+//! until every live node does (`?wait=S`, answering who serves it, who is behind and who
+//! refused it).
 //!
 //! A changed snapshot is rolled out in stages (see [`crate::rollout`]): the long poll
 //! gives each node the version its stage says, nodes report the compared routes' counts
@@ -20,7 +23,7 @@
 //! `platform` (publish, rollback), `node` (receive, ACK), or `team:<name>` (read status
 //! and audit). Every change is audited (who, what, when, version).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -529,14 +532,17 @@ impl Server {
                 Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             },
             (Method::POST, ["v1", "publish"]) if role == "platform" || role.starts_with("team:") => {
-                let wait = param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
-                self.publish(&who.name, role.strip_prefix("team:"), Duration::from_secs(wait)).await
+                let secs = |name| {
+                    Duration::from_secs(param(name).and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S))
+                };
+                self.publish(&who.name, role.strip_prefix("team:"), secs("wait_acks"), secs("wait")).await
             }
             (Method::POST, ["v1", "rollback"]) if role == "platform" => {
                 let Some(to) = param("to").and_then(|v| v.parse::<u64>().ok()) else {
                     return error(StatusCode::BAD_REQUEST, "rollback needs ?to=<version>");
                 };
-                self.rollback(&who.name, to).await
+                let wait = param("wait").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
+                self.rollback(&who.name, to, Duration::from_secs(wait)).await
             }
             (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
             _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
@@ -1006,7 +1012,7 @@ impl Server {
 
     /// Compiles the repository and publishes whatever changed; a team may publish only
     /// when everything that changed is its own.
-    async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration) -> Response<Body> {
+    async fn publish(&self, who: &str, team: Option<&str>, wait_acks: Duration, wait: Duration) -> Response<Body> {
         let one = self.publishing.lock().await;
         let repo = self.repo.clone();
         // Over-quota and debug-trace flags are set at run time: the credentials compiled
@@ -1073,6 +1079,8 @@ impl Server {
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         let mut rollout = serde_json::Value::Null;
+        // Who serves the new version first: the first stage's nodes, or every node.
+        let mut first_stage = None;
         if s.1
             && !self.rollout_settings.dwell.is_zero()
             && let (Some(from), Some((_, old))) = (&previous, &old)
@@ -1082,6 +1090,7 @@ impl Server {
                 let routes = crate::plan::changed_routes(old, &new);
                 let r = Rollout::start(from.number, s.0.number, who, routes, &nodes, &self.rollout_settings);
                 rollout = r.describe();
+                first_stage = Some(r.members.clone());
                 if let Ok(mut slot) = self.rollout.lock() {
                     *slot = Some(r);
                 }
@@ -1101,6 +1110,19 @@ impl Server {
             let (acked, stale) = self.wait_acks(c.0.number, wait_acks).await;
             body["credentials"]["acked"] = serde_json::json!(acked);
             body["credentials"]["stale"] = serde_json::json!(stale);
+        }
+        if !s.1 {
+            body["summary"] = match c.1 {
+                true => format!("credentials v{} published; snapshot v{} unchanged", c.0.number, s.0.number),
+                false => format!("nothing changed: v{} stays", s.0.number),
+            }
+            .into();
+        } else if !wait.is_zero() {
+            let served = self.wait_serving(s.0.number, first_stage.as_ref(), wait).await;
+            body["summary"] = served
+                .summary(&format!("v{} published", s.0.number), first_stage.is_some(), self.rollout_settings.dwell)
+                .into();
+            body["snapshot"]["served"] = served.to_json();
         }
         json(StatusCode::OK, &body)
     }
@@ -1227,8 +1249,8 @@ impl Server {
         }
     }
 
-    async fn rollback(&self, who: &str, to: u64) -> Response<Body> {
-        let _one = self.publishing.lock().await;
+    async fn rollback(&self, who: &str, to: u64, wait: Duration) -> Response<Body> {
+        let one = self.publishing.lock().await;
         let old = match self.store.get(Lane::Snapshot, to).await {
             Ok(Some(v)) => v,
             Ok(None) => return error(StatusCode::NOT_FOUND, format!("no snapshot v{to}")),
@@ -1244,19 +1266,101 @@ impl Server {
         }
         let note = format!("contents of v{to}");
         let change = Change { kind: Lane::Snapshot, content: &content, who, action: "rollback", note: &note };
-        match self.store.publish(&change).await {
-            Ok((v, changed)) => {
-                self.heads.send_modify(|h| {
-                    h.0 = h.0.max(v.number);
-                    h.2 += 1;
-                });
-                json(
-                    StatusCode::OK,
-                    &serde_json::json!({"snapshot": {"version": v.number, "hash": v.hash, "changed": changed, "contents_of": to}}),
-                )
-            }
-            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        let (v, changed) = match self.store.publish(&change).await {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        self.heads.send_modify(|h| {
+            h.0 = h.0.max(v.number);
+            h.2 += 1;
+        });
+        drop(one);
+        let mut body = serde_json::json!({"snapshot": {"version": v.number, "hash": v.hash, "changed": changed, "contents_of": to}});
+        if !wait.is_zero() {
+            let served = self.wait_serving(v.number, None, wait).await;
+            body["summary"] = served
+                .summary(&format!("v{} (the contents of v{to}) published", v.number), false, Duration::ZERO)
+                .into();
+            body["snapshot"]["served"] = served.to_json();
         }
+        json(StatusCode::OK, &body)
+    }
+
+    /// Waits up to `limit` until every live node of `nodes` (every live node with `None`)
+    /// runs snapshot `version` or a later one, or one of them refuses it.
+    async fn wait_serving(&self, version: u64, nodes: Option<&BTreeSet<String>>, limit: Duration) -> Served {
+        let deadline = Instant::now() + limit;
+        loop {
+            let mut served = Served::default();
+            for (name, n) in self.live_nodes() {
+                if nodes.is_some_and(|only| !only.contains(&name)) {
+                    continue;
+                }
+                if n.snapshot.version >= version {
+                    served.serving.push(name);
+                } else if let Some((_, why)) = n.snapshot.refused.filter(|(v, _)| *v >= version) {
+                    served.refused.push((name, why));
+                } else {
+                    served.behind.push(name);
+                }
+            }
+            if served.behind.is_empty() || Instant::now() >= deadline {
+                served.waited = limit.saturating_sub(deadline.saturating_duration_since(Instant::now()));
+                return served;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Which nodes serve a version a publish or a rollback waited for.
+#[derive(Debug, Default)]
+struct Served {
+    /// Nodes that run it (or a later version).
+    serving: Vec<String>,
+    /// Nodes that run an older one still.
+    behind: Vec<String>,
+    /// Nodes that refused it, with their reasons.
+    refused: Vec<(String, String)>,
+    /// How long the wait took.
+    waited: Duration,
+}
+
+impl Served {
+    /// One line for a person: who serves what was published (`what`: "v2 published"),
+    /// and what comes next.
+    fn summary(&self, what: &str, staged: bool, dwell: Duration) -> String {
+        let list = |v: &[String]| v.join(", ");
+        if let Some((node, why)) = self.refused.first() {
+            return format!("{what}; {node} refused it: {why}");
+        }
+        if !self.behind.is_empty() {
+            return format!("{what}; not yet served by {} after {} s", list(&self.behind), self.waited.as_secs());
+        }
+        match (self.serving.is_empty(), staged) {
+            (true, _) => format!("{what}; no live node to serve it"),
+            (false, true) => format!(
+                "{what}: served by {} (the first stage); the rest follow stage by stage, {} s each",
+                list(&self.serving),
+                dwell.as_secs()
+            ),
+            (false, false) => format!("{what}: served by every live node ({})", list(&self.serving)),
+        }
+    }
+
+    /// True when every node waited for serves the version.
+    fn complete(&self) -> bool {
+        self.behind.is_empty() && self.refused.is_empty()
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "complete": self.complete(),
+            "serving": self.serving,
+            "behind": self.behind,
+            "refused": self.refused.iter().map(|(n, why)| serde_json::json!({"node": n, "reason": why})).collect::<Vec<_>>(),
+            "waited_ms": self.waited.as_millis() as u64,
+        })
     }
 }
 
@@ -1341,6 +1445,34 @@ pub async fn request_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_for_serving_says_who_serves_who_is_behind_and_who_refused() {
+        let names = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        let dwell = Duration::from_secs(10);
+        let first = Served { serving: names(&["node-a"]), ..Served::default() };
+        assert!(first.complete());
+        assert_eq!(
+            first.summary("v2 published", true, dwell),
+            "v2 published: served by node-a (the first stage); the rest follow stage by stage, 10 s each"
+        );
+        let all = Served { serving: names(&["a", "b"]), ..Served::default() };
+        assert_eq!(all.summary("v3 published", false, dwell), "v3 published: served by every live node (a, b)");
+        let late = Served {
+            serving: names(&["a"]),
+            behind: names(&["b", "c"]),
+            waited: Duration::from_secs(60),
+            ..Served::default()
+        };
+        assert!(!late.complete());
+        assert_eq!(late.summary("v4 published", false, dwell), "v4 published; not yet served by b, c after 60 s");
+        assert_eq!(late.to_json()["behind"], serde_json::json!(["b", "c"]));
+        let refused = Served { refused: vec![("a".to_owned(), "bad signature".to_owned())], ..Served::default() };
+        assert!(!refused.complete());
+        assert_eq!(refused.summary("v5 published", true, dwell), "v5 published; a refused it: bad signature");
+        assert_eq!(refused.to_json()["refused"], serde_json::json!([{"node": "a", "reason": "bad signature"}]));
+        assert_eq!(Served::default().summary("v6 published", true, dwell), "v6 published; no live node to serve it");
+    }
 
     #[test]
     fn a_team_sees_only_its_own_routes_in_a_rollout() {
