@@ -127,10 +127,15 @@ impl Echo {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// How many requests this backend has answered.
+    /// How many requests this backend has answered. Panics when the backend cannot say
+    /// (no answer, another status, no number): a broken count endpoint must fail the
+    /// test, never read as "nothing reached the backend".
     pub async fn count(&self) -> u64 {
         let r = get(&format!("http://{}/__echo/count", self.addr()), &[]).await;
-        r.json()["count"].as_u64().unwrap_or(0)
+        assert_eq!(r.status, StatusCode::OK, "the echo's count endpoint answered {}: {:?}", r.status, r.body);
+        r.json()["count"].as_u64().unwrap_or_else(|| {
+            panic!("the echo's count endpoint gave no count: {:?}", String::from_utf8_lossy(&r.body))
+        })
     }
 
     /// How many of them a gateway marked as its retry (`x-postern-retry`).
@@ -290,6 +295,18 @@ impl Node {
     /// The running snapshot version, from the admin listener.
     pub async fn version(&self) -> u64 {
         get(&self.admin_url("/snapshot"), &[]).await.json()["version"].as_u64().unwrap_or(0)
+    }
+
+    /// The value of one exact series of the admin listener's `/metrics` (`name`, or
+    /// `name{labels}` as the node writes them). Panics when the node does not export it.
+    pub async fn metric(&self, series: &str) -> u64 {
+        let r = get(&self.admin_url("/metrics"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "/metrics answered {}", r.status);
+        let text = String::from_utf8_lossy(&r.body);
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("the node exports no series {series}:\n{text}"))
     }
 
     /// Waits until the node runs snapshot `version`.
@@ -817,6 +834,7 @@ pub mod kafka {
 pub mod usage {
     //! What the usage tests share: billed calls, a node's spool state, and steady clients.
     use std::collections::BTreeMap;
+    use std::path::Path;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
@@ -824,7 +842,12 @@ pub mod usage {
     use bytes::Bytes;
 
     use super::Node;
-    use super::control_plane::{ControlPlane, ctl};
+    use super::control_plane::{ControlPlane, PLATFORM_TOKEN, ctl, wait_for};
+
+    /// How long a load client waits for an answer. Far above anything a call takes: a
+    /// call that is only slow is still seen; one with no answer by then has an unknown
+    /// outcome (served or not), and the test stops there rather than guess.
+    pub const ANSWER_GUARD: Duration = Duration::from_secs(30);
 
     /// Billable calls per key in the current period, from the control plane.
     pub fn billed(cp: &ControlPlane) -> BTreeMap<String, u64> {
@@ -841,9 +864,70 @@ pub mod usage {
         super::get(&node.admin_url("/readyz"), &[]).await.json()["usage"].clone()
     }
 
+    /// What the usage store holds of `node`'s windows (`/v1/usage/nodes`: `windows`,
+    /// `last_seq`, `missing`, `recovered`, `duplicates`); `Null` before any arrived.
+    pub async fn store_node(cp: &ControlPlane, node: &str) -> serde_json::Value {
+        let auth = format!("Bearer {PLATFORM_TOKEN}");
+        let r = super::get(&format!("{}/v1/usage/nodes", cp.url), &[("authorization", &auth)]).await;
+        assert_eq!(r.status, http::StatusCode::OK, "/v1/usage/nodes: {:?}", r.body);
+        let nodes = r.json();
+        nodes["nodes"].as_array().and_then(|n| n.iter().find(|n| n["node"] == node)).cloned().unwrap_or_default()
+    }
+
+    /// The highest sequence number a stopped node's spool (`dir`, its `usage-spool`)
+    /// gave a window: from `head.json`, written with every record and acknowledgement.
+    pub fn numbered(spool: &Path) -> u64 {
+        let path = spool.join("head.json");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let head: serde_json::Value = serde_json::from_str(&text).unwrap();
+        head["next"].as_u64().unwrap_or_else(|| panic!("{}: {text}", path.display())) - 1
+    }
+
+    /// Waits until the usage store holds every window `node` numbered up to `through`,
+    /// each whole (every part of it): nothing more of that node's usage is on its way.
+    pub async fn wait_store_has(cp: &ControlPlane, node: &str, through: u64) {
+        let what = format!("the usage store to hold {node}'s windows 1..={through}");
+        wait_for(&what, Duration::from_secs(60), async || {
+            let n = store_node(cp, node).await;
+            n["last_seq"].as_u64() >= Some(through) && n["missing"].as_u64() == Some(0)
+        })
+        .await;
+    }
+
+    fn unix_ms() -> u64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
+    }
+
+    /// Waits for a moment 3 to 8 s into a 10 s usage window at which the spool's
+    /// checkpoint (`open.json`) holds that open window: a `kill -9` then strikes mid-window
+    /// and past a checkpoint of it.
+    pub async fn wait_mid_window_checkpoint(spool: &Path) {
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(Instant::now() < end, "no checkpoint of an open window in {}", spool.display());
+            let now = unix_ms();
+            let into = now % 10_000;
+            if !(3_000..8_000).contains(&into) {
+                tokio::time::sleep(Duration::from_millis((13_000 - into) % 10_000)).await;
+                continue;
+            }
+            let open = now / 10_000 * 10;
+            let holds_open = std::fs::read(spool.join("open.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|cp| cp["windows"].as_array().map(|w| w.iter().any(|w| w["start"].as_u64() == Some(open))))
+                .unwrap_or(false);
+            if holds_open {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Calls `/search` as `key` until `stop`, on `conns` connections at once, resting
     /// `pause` between calls; every call the client saw answered 2xx (body and all), with
-    /// the time it completed.
+    /// the time it completed. A call with no answer within [`ANSWER_GUARD`] panics the
+    /// task (awaiting the handle fails the test): its outcome is unknown.
     pub fn load(
         port: u16,
         key: String,
@@ -863,13 +947,20 @@ pub mod usage {
                                 .header("x-api-key", &key)
                                 .body(http_body_util::Full::new(Bytes::new()))
                                 .unwrap();
-                            match tokio::time::timeout(Duration::from_secs(2), client.request(req)).await {
-                                Ok(Ok(resp)) if resp.status().is_success() => {
-                                    if http_body_util::BodyExt::collect(resp.into_body()).await.is_ok() {
-                                        ok.push(Instant::now());
+                            let call = async {
+                                match client.request(req).await {
+                                    Ok(resp) if resp.status().is_success() => {
+                                        http_body_util::BodyExt::collect(resp.into_body()).await.is_ok()
                                     }
+                                    _ => false,
                                 }
-                                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                            };
+                            match tokio::time::timeout(ANSWER_GUARD, call).await {
+                                Ok(true) => ok.push(Instant::now()),
+                                Ok(false) => tokio::time::sleep(Duration::from_millis(20)).await,
+                                Err(_) => panic!(
+                                    "a call to port {port} had no answer within {ANSWER_GUARD:?}: whether it was served is unknown"
+                                ),
                             }
                             if !pause.is_zero() {
                                 tokio::time::sleep(pause).await;

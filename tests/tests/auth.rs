@@ -340,11 +340,22 @@ async fn revocations_apply_on_a_kept_alive_connection() {
     assert!(!conn.is_finished(), "the same connection carried every request");
     eprintln!("revocation applied {} ms after compile started", applied.as_millis());
 
-    // A corrupted credentials file is refused and the live state stays.
+    // A corrupted credentials file is refused and the live state stays. It is put in
+    // place whole (renamed over the good one), so the cut file is all the node can read;
+    // once the node has counted and logged its refusal, the live state is checked.
     let creds = s.out.path().join("credentials.json");
     let text = std::fs::read_to_string(&creds).unwrap();
-    std::fs::write(&creds, &text[..text.len() / 2]).unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let refused = "postern_credentials_reload_failures_total";
+    let before = node.metric(refused).await;
+    let cut = s.out.path().join("credentials.json.cut");
+    std::fs::write(&cut, &text[..text.len() / 2]).unwrap();
+    std::fs::rename(&cut, &creds).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.metric(refused).await == before || !node.log().contains("credentials refused") {
+        assert!(Instant::now() < deadline, "the cut credentials file was not refused in 30 s:\n{}", node.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(node.metric(refused).await, before + 1, "one refusal of one file");
     assert_eq!(credentials_version(&node).await, 2);
     assert_eq!(on_conn(&mut sender, &host, "/orders", &[("authorization", &other)]).await, StatusCode::OK);
     assert!(node.log().contains("credentials refused"));

@@ -4,8 +4,12 @@
 //! deadlines.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
+use std::sync::Arc;
+
 use http::{Method, StatusCode};
 use postern_e2e::{Echo, Node, get};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Notify;
 
 fn hmac_sha256(key: &[u8], msg: &[u8]) -> String {
     use sha2::Digest;
@@ -15,6 +19,48 @@ fn hmac_sha256(key: &[u8], msg: &[u8]) -> String {
     let ih = sha2::Sha256::digest(&inner);
     let outer: Vec<u8> = k.iter().map(|b| b ^ 0x5c).chain(ih.iter().copied()).collect();
     hex::encode(sha2::Sha256::digest(&outer))
+}
+
+/// A stand-in for the node's admin listener, in front of it: it passes each request on
+/// (one per connection) and answers with the node's answer. `first` is told once the
+/// first request is answered; the second is held until `second` is told. So the two reads
+/// of `posternctl filter cost --window` come in an order the test sets, whatever the clock.
+async fn admin_gate(admin: u16) -> (u16, Arc<Notify>, Arc<Notify>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (first, second) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let (answered, held) = (first.clone(), second.clone());
+    tokio::spawn(async move {
+        for n in 0.. {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let got = conn.read(&mut buf).await.unwrap();
+                assert!(got > 0, "the request ended before its head");
+                head.extend_from_slice(&buf[..got]);
+            }
+            let head = String::from_utf8_lossy(&head).into_owned();
+            let path = head.split_whitespace().nth(1).expect("a request line").to_owned();
+            if n == 1 {
+                held.notified().await;
+            }
+            let r = get(&format!("http://127.0.0.1:{admin}{path}"), &[]).await;
+            let mut out = format!(
+                "HTTP/1.1 {}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                r.status,
+                r.body.len()
+            )
+            .into_bytes();
+            out.extend_from_slice(&r.body);
+            conn.write_all(&out).await.unwrap();
+            conn.shutdown().await.unwrap();
+            if n == 0 {
+                answered.notify_one();
+            }
+        }
+    });
+    (port, first, second)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,15 +159,24 @@ async fn example_filters_on_the_demo_routes() {
     assert_eq!((ab["calls"].as_u64(), ab["outcomes"]["ok"].as_u64()), (Some(40), Some(40)), "{v}");
     assert!(ab["fuel"]["p99"].as_f64().unwrap() > 0.0, "{v}");
     assert!(ab["duration_ms"]["p50"].as_f64().unwrap() > 0.0, "{v}");
-    let url = node.url("/v2/orders/1");
-    let traffic = tokio::spawn(async move {
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        for key in callers.iter().take(3) {
-            get(&url, &[("x-api-key", key)]).await;
-        }
+    // Over a window: three calls between its two reads (held apart by the gate, so the
+    // calls fall inside the window whatever the machine's speed).
+    let (gate, first_read, second_read) = admin_gate(node.admin).await;
+    let windowed = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(postern_e2e::bin("posternctl"))
+            .args(["filter", "cost", "--route", "orders/orders-v2-canary", "--json", "--window", "2s"])
+            .args(["--admin", &format!("http://127.0.0.1:{gate}")])
+            .output()
+            .unwrap()
     });
-    let v: serde_json::Value = serde_json::from_str(&cost(&["--json", "--window", "2s"])).unwrap();
-    traffic.await.unwrap();
+    first_read.notified().await;
+    for key in callers.iter().take(3) {
+        assert_eq!(get(&node.url("/v2/orders/1"), &[("x-api-key", key)]).await.status, StatusCode::OK);
+    }
+    second_read.notify_one();
+    let out = windowed.await.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["window_s"], 2);
     assert_eq!(v["filters"]["ab-tagger"]["calls"], 3, "only the window's calls: {v}");
     let none = cost_of("nope/none", &[]);

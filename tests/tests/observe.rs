@@ -60,6 +60,13 @@ fn log_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The lines written whole so far (the writer may be in the middle of the last one).
+fn whole_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let whole = text.rfind('\n').map_or("", |end| &text[..=end]);
+    whole.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}"))).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_key_usage_access_logs_and_bounded_metrics() {
     let echo = Echo::start("e");
@@ -151,13 +158,25 @@ async fn per_key_usage_access_logs_and_bounded_metrics() {
     assert!(chart.chars().any(|c| ('▁'..='█').contains(&c)), "a sparkline: {chart}");
     eprintln!("{chart}");
 
-    // The access log: every error, about 1 % of successes, never a credential.
-    wait_for("the access log's errors", Duration::from_secs(10), async || {
-        log_lines(&log).iter().filter(|l| l["status"].as_u64() >= Some(400)).count() >= errors.values().sum()
+    // The access log: every error, about 1 % of successes, never a credential. A
+    // request's line is queued when its response ends, before its connection closes: once
+    // the client's connections are closed (the node counts none open), every line is
+    // queued. Then one more error, the marker, queues last; the queue is written in
+    // order, so once the marker's line is in the file, every line is.
+    drop(c);
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    while node.metric("postern_open_connections").await > 0 {
+        assert!(std::time::Instant::now() < end, "client connections still open after 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(get(&node.url("/observe-marker"), &[]).await.status.as_u16(), 404);
+    *errors.entry(404).or_default() += 1;
+    wait_for("the marker's line in the access log", Duration::from_secs(30), async || {
+        whole_lines(&log).iter().any(|l| l["path"] == "/observe-marker")
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let lines = log_lines(&log);
+    assert_eq!(lines.last().map(|l| &l["path"]), Some(&serde_json::json!("/observe-marker")), "the marker is last");
     let mut logged_errors: BTreeMap<u16, usize> = BTreeMap::new();
     for l in lines.iter().filter(|l| l["status"].as_u64() >= Some(400)) {
         *logged_errors.entry(l["status"].as_u64().unwrap() as u16).or_default() += 1;
@@ -293,7 +312,10 @@ async fn access_log_lines_reach_their_own_kafka_topic() {
         assert_eq!(line["origin"], "upstream");
     }
     assert_eq!(got[3].1["code"], "route_not_found");
-    assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 4, "the file keeps every line too");
+    // Each line is written to the file before it is handed to the stream, and the file is
+    // flushed once the batch is: wait for that flush, then count.
+    wait_for("the file's lines", Duration::from_secs(30), async || whole_lines(&log).len() >= 4).await;
+    assert_eq!(log_lines(&log).len(), 4, "the file keeps every line too");
     let metrics = String::from_utf8_lossy(&get(&node.admin_url("/metrics"), &[]).await.body).into_owned();
     assert_eq!(value(&metrics, "postern_access_log_stream_total{outcome=\"sent\"}"), 4);
 }

@@ -148,6 +148,18 @@ async fn a_saturated_node_fails_no_benign_filter_and_still_stops_a_looping_one()
     }
     let started = Instant::now();
     tokio::time::sleep(LOAD).await;
+    // Enough calls of the benign filter to say anything (a count, not a rate: on a slow
+    // machine the load runs on until there are; the deadline only guards against a hang).
+    let enough = started + LOAD + Duration::from_secs(120);
+    loop {
+        let m = String::from_utf8(get(&node.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+        let ok = metric(&m, "postern_filter_calls_total{route=\"t/benign\",filter=\"header-injector\",outcome=\"ok\"}");
+        if ok > 1000.0 {
+            break;
+        }
+        assert!(Instant::now() < enough, "only {ok} benign calls after {:?} of load", started.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     stop.store(true, Ordering::Relaxed);
     let mut tally = Tally::default();
     for t in tasks {
@@ -196,13 +208,16 @@ async fn a_saturated_node_fails_no_benign_filter_and_still_stops_a_looping_one()
         assert_eq!(calls(benign, outcome), 0.0, "header-injector {outcome}");
     }
     assert_eq!(metric(&m, &format!("postern_filter_quarantines_total{{{benign}}}")), 0.0);
-    // The looping filter ran and was stopped: by its deadline of CPU, or on the saturated
-    // idle pool by its wall-clock backstop (2 ms × 4 + 50 ms, and 20 ms of grace).
+    // The looping filter ran and every call of it that ran was stopped by a bound: by its
+    // deadline of CPU or its fuel, or on the saturated idle pool by its wall-clock
+    // backstop (`overloaded`); none ended any other way (quarantined calls do not run and
+    // are not timed). How long a stopped call took is printed above, not asserted: wall
+    // time on a shared machine is the benchmarks' business.
     let stopped = calls(spin, "deadline_exceeded") + calls(spin, "overloaded") + calls(spin, "fuel_exhausted");
     assert!(stopped > 0.0, "loop-forever never ran\n{m}");
     assert_eq!(
-        metric(&m, &format!("postern_filter_duration_seconds_bucket{{{spin},le=\"0.25\"}}")),
+        stopped,
         metric(&m, &format!("postern_filter_duration_seconds_count{{{spin}}}")),
-        "a loop-forever call outlasted its bound\n{m}"
+        "a loop-forever call ended other than by one of its bounds\n{m}"
     );
 }

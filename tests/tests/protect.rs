@@ -35,14 +35,37 @@ async fn readyz(node: &Node) -> serde_json::Value {
     get(&node.admin_url("/readyz"), &[]).await.json()
 }
 
+/// Guards against a hang only: far longer than any wait here.
+const HANG: Duration = Duration::from_secs(30);
+
+/// Polls `/readyz` until `check` holds; fails naming `what` after [`HANG`].
+async fn wait_state(node: &Node, what: &str, check: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let end = Instant::now() + HANG;
+    loop {
+        let state = readyz(node).await;
+        if check(&state) {
+            return state;
+        }
+        assert!(Instant::now() < end, "never happened in {HANG:?}: {what}\n{state}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until the `flaky` cluster's breaker has been open its time and probes.
+async fn half_open(node: &Node) {
+    wait_state(node, "the breaker of flaky half-open", |s| s["clusters"]["flaky"]["breaker"]["state"] == "half_open")
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
     let flaky = Echo::start("flaky");
     let ok = Echo::start("ok");
     let repo = Repo::new();
-    // Judged over 5 s: more than half of at least 20 failing opens it for 1 s; then every
-    // request probes.
-    let breaker = "{ window: 5s, minRequests: 20, failurePercent: 50, openFor: 1s, probePercent: 100 }";
+    // Judged over 300 s (so however slowly the requests below are sent, they all count):
+    // more than half of at least 20 failing opens it for 10 s (longer than the checks made
+    // while it is open take on a slow machine); then every request probes.
+    let breaker = "{ window: 300s, minRequests: 20, failurePercent: 50, openFor: 10s, probePercent: 100 }";
     repo.write("platform/clusters.yaml", &clusters(&flaky, &ok, breaker));
     repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
     repo.write("teams/t/routes.yaml", ROUTES);
@@ -70,14 +93,17 @@ async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
     assert_eq!(state["clusters"]["flaky"]["breaker"]["state"], "open", "{state}");
     assert_eq!(state["clusters"]["flaky"]["breaker"]["opened"], 1, "{state}");
 
-    // Open: answered by the gateway at once, nothing reaches the backend.
+    // Open: answered by the gateway itself, nothing reaches the backend.
     let reached = flaky.count().await;
     let t = Instant::now();
     let r = get(&node.url("/flaky"), &[]).await;
     let took = t.elapsed();
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.json()["code"], "circuit_open", "{:?}", r.body);
-    assert_eq!(r.header("retry-after"), Some("1"));
+    // When to come back: what is left of the 10 s it stays open (less by however long the
+    // requests since it opened took).
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=10).contains(&retry), "Retry-After {retry}");
     for _ in 0..5 {
         assert_eq!(get(&node.url("/flaky"), &[]).await.json()["code"], "circuit_open");
     }
@@ -89,8 +115,8 @@ async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
     }
     assert_eq!(readyz(&node).await["clusters"]["ok"]["breaker"]["state"], "closed");
 
-    // After 1 s it probes: a failed probe reaches the backend and opens it again.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // After its 10 s it probes: a failed probe reaches the backend and opens it again.
+    half_open(&node).await;
     let r = get(&node.url("/flaky?status=503"), &[]).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(r.header("content-type").is_none_or(|c| !c.contains("problem")), "the probe reached the backend");
@@ -104,7 +130,7 @@ async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
     assert!(metrics.contains("postern_upstream_breaker_refused_total{cluster=\"flaky\"} 7"), "{metrics}");
 
     // A successful probe closes it; the backend is served again.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    half_open(&node).await;
     assert_eq!(get(&node.url("/flaky"), &[]).await.status, StatusCode::OK);
     assert_eq!(readyz(&node).await["clusters"]["flaky"]["breaker"]["state"], "closed");
     for _ in 0..5 {
@@ -117,7 +143,7 @@ async fn a_failing_cluster_trips_its_breaker_and_no_other_cluster_notices() {
     repo.compile_ok(&snap);
     node.wait_version(2).await;
     assert_eq!(opened(readyz(&node).await), Some(2));
-    let breaker = "{ window: 5s, minRequests: 20, failurePercent: 50, openFor: 2s, probePercent: 100 }";
+    let breaker = "{ window: 300s, minRequests: 20, failurePercent: 50, openFor: 20s, probePercent: 100 }";
     repo.write("platform/clusters.yaml", &clusters(&flaky, &ok, breaker));
     repo.compile_ok(&snap);
     node.wait_version(3).await;
@@ -158,13 +184,13 @@ fn retry_repo(a: &Echo, b: &Echo, dead: u16) -> (Repo, std::path::PathBuf) {
     retryBudget: {{ minRetries: 1000 }}
   tight:
     endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
-    retryBudget: {{ percent: 0, minRetries: 3 }}
+    retryBudget: {{ window: 300s, percent: 0, minRetries: 3 }}
     outlier: {{ maxEjectedPercent: 0 }}
   single:
     endpoints: [\"127.0.0.1:{dead}\"]
   ejecting:
     endpoints: [\"{a}\", \"127.0.0.1:{dead}\"]
-    outlier: {{ ejectFor: 2s }}
+    outlier: {{ ejectFor: 10s }}
 ",
             a = a.addr(),
             b = b.addr(),
@@ -277,7 +303,8 @@ async fn a_request_is_retried_once_on_another_host_only_when_safe_and_within_the
     // A cluster with one host has no other to retry on.
     assert_eq!(get(&node.url("/single"), &[]).await.status, StatusCode::BAD_GATEWAY);
 
-    // The budget: 0 % of requests and a floor of 3, so three retries and no more.
+    // The budget: 0 % of requests and a floor of 3 in its 300 s window (however slowly the
+    // requests go), so three retries and no more.
     let mut ok = 0;
     for _ in 0..40 {
         ok += usize::from(get(&node.url("/tight"), &[]).await.status == StatusCode::OK);
@@ -294,7 +321,8 @@ async fn a_request_is_retried_once_on_another_host_only_when_safe_and_within_the
     assert!(metrics.contains(&denied_series), "{metrics}");
 
     // Outlier ejection: the dead host fails five times in a row and is sent nothing
-    // more for its ejection time (the route retries nothing, so each of the five is a 502).
+    // more for its ejection time, 10 s, longer than the forty requests take on a slow
+    // machine (the route retries nothing, so each of the five is a 502).
     let mut failed = 0;
     for _ in 0..40 {
         failed += usize::from(get(&node.url("/ejecting"), &[]).await.status == StatusCode::BAD_GATEWAY);
@@ -302,14 +330,17 @@ async fn a_request_is_retried_once_on_another_host_only_when_safe_and_within_the
     assert_eq!(failed, 5, "exactly five failures in a row, then it is out");
     let state = get(&node.admin_url("/readyz"), &[]).await.json();
     let hosts = &state["clusters"]["ejecting"]["hosts"];
-    assert!(hosts[1]["ejected_for_ms"].as_u64().is_some_and(|ms| ms > 0 && ms <= 2000), "{state}");
+    assert!(hosts[1]["ejected_for_ms"].as_u64().is_some_and(|ms| ms > 0 && ms <= 10_000), "{state}");
     assert_eq!(hosts[1]["ejections"], 1, "{state}");
     assert!(hosts[0].get("ejected_for_ms").is_none(), "a lone live host is never ejected too: {state}");
     let metrics = String::from_utf8_lossy(&get(&node.admin_url("/metrics"), &[]).await.body).into_owned();
     assert!(metrics.contains("postern_upstream_hosts_ejected{cluster=\"ejecting\"} 1"), "{metrics}");
     assert!(metrics.contains("postern_upstream_ejections_total{cluster=\"ejecting\"} 1"), "{metrics}");
-    // Back after 2 s, met again, and ejected again after five more (for twice as long).
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    // Back after its 10 s, met again, and ejected again after five more (for twice as long).
+    wait_state(&node, "the dead host back from its ejection", |s| {
+        s["clusters"]["ejecting"]["hosts"][1].get("ejected_for_ms").is_none()
+    })
+    .await;
     let mut failed = 0;
     for _ in 0..40 {
         failed += usize::from(get(&node.url("/ejecting"), &[]).await.status == StatusCode::BAD_GATEWAY);
@@ -317,7 +348,7 @@ async fn a_request_is_retried_once_on_another_host_only_when_safe_and_within_the
     assert_eq!(failed, 5);
     let state = get(&node.admin_url("/readyz"), &[]).await.json();
     let hosts = &state["clusters"]["ejecting"]["hosts"];
-    assert!(hosts[1]["ejected_for_ms"].as_u64().is_some_and(|ms| ms > 2000 && ms <= 4000), "{state}");
+    assert!(hosts[1]["ejected_for_ms"].as_u64().is_some_and(|ms| ms > 10_000 && ms <= 20_000), "{state}");
 
     // Policies that are unsafe or unknown are refused at compile, naming the field.
     for (bad, field) in [

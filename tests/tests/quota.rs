@@ -1,6 +1,7 @@
 //! Quotas end to end: `posternctl serve` (intake, quota service, webhook sender) and two
 //! `postern` nodes. A key on a hard quota that crosses it is refused 429
-//! `quota_exceeded` on every node within about 20 s (the lag is printed), and served
+//! `quota_exceeded` on every node (in about 20 s: the lag is printed; 30 s is only the
+//! guard against it never coming), and served
 //! again at its period's end with no new credentials version; the calls admitted before
 //! the flag reached the nodes are overshoot, not billed; a key on an overage plan is
 //! never refused; both are warned at 80 % and 100 % through the webhook; the calls around
@@ -74,7 +75,8 @@ async fn webhook() -> Webhook {
     Webhook { url, got, posts }
 }
 
-/// One call to `/search` as `key`: the status and the problem code, if any.
+/// One call to `/search` as `key`: the status, the problem code (if any), `Retry-After`
+/// and `RateLimit-Policy`.
 async fn call(node: &Node, key: &str) -> (StatusCode, String, Option<String>, Option<String>) {
     let r = get(&node.url("/search"), &[("x-api-key", key)]).await;
     let code = if r.status.is_success() { String::new() } else { r.json()["code"].as_str().unwrap_or("").to_owned() };
@@ -117,10 +119,12 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
         .await;
     }
 
-    // Start early in a period, so the crossing and the flag fall in it.
+    // Start early in a period, so the crossing and the flag fall in it with room to
+    // spare: the crossing takes a few seconds, the flag about 20 s more (30 s at most
+    // below), and the period has 60.
     loop {
         let into = unix_now() % PERIOD_S as f64;
-        if (1.0..25.0).contains(&into) {
+        if (1.0..15.0).contains(&into) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -135,9 +139,18 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
     let mut metered_served = 0u64;
     while refused_at.iter().any(Option::is_none) {
         assert!((unix_now() as u64) < period_end - 5, "no 429 on every node before the period ends");
+        if let Some(crossed) = crossed {
+            // Only a guard against the flag never coming.
+            assert!(
+                crossed.elapsed() < Duration::from_secs(30),
+                "the quota flag did not reach every node in 30 s: refused at {refused_at:?}"
+            );
+        }
         let n = i % 2;
         i += 1;
+        let sent = unix_now();
         let (status, code, retry, policy) = call(&nodes[n], &capped).await;
+        let done = unix_now();
         match status {
             StatusCode::OK => {
                 served_first += 1;
@@ -148,9 +161,14 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
             StatusCode::TOO_MANY_REQUESTS => {
                 assert_eq!(code, "quota_exceeded");
                 assert!(served_first >= CAP, "refused after {served_first} calls of {CAP}");
+                // The whole seconds to the period's end when the node answered, which was
+                // between `sent` and `done` (a second either way for the rounding).
                 let retry: u64 = retry.unwrap().parse().unwrap();
-                let left = period_end as f64 - unix_now();
-                assert!((retry as f64 - left).abs() <= 2.0, "Retry-After {retry} s, the period ends in {left:.1} s");
+                let (most, least) = (period_end as f64 - sent + 1.0, period_end as f64 - done - 1.0);
+                assert!(
+                    (least..=most).contains(&(retry as f64)),
+                    "Retry-After {retry} s; the period ends {least:.1} to {most:.1} s after the answer"
+                );
                 assert_eq!(policy.as_deref(), Some("\"quota\";q=60;w=60"));
                 refused_at[n].get_or_insert_with(Instant::now);
             }
@@ -169,7 +187,6 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
         "quota lag from the crossing (call {CAP}) to the first 429: node-0 {} ms, node-1 {} ms",
         lags[0], lags[1]
     );
-    assert!(lags.iter().all(|&l| l <= 30_000), "within about 20 s: {lags:?}");
     assert!(served_first > CAP, "calls admitted before the flag: the overshoot");
 
     // Refused on both nodes from now on, until the period ends; the flag lifts then

@@ -5,6 +5,10 @@
 //! - With Redis stopped, nothing waits, nodes keep their last shares (admission stays
 //!   bounded), `/readyz` and `/metrics` say the sync is lost and plans that fail closed
 //!   refuse; with Redis back, the sync resumes by itself.
+//!
+//! Admitted counts are bounded by the time the traffic actually took (measured), so a
+//! slow machine widens a bound rather than failing it; "nothing waits on the sync" is
+//! shown by requests answered between two of the node's sync rounds, not by a latency.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
 use std::process::{Child, Command, Stdio};
@@ -57,9 +61,12 @@ async fn readyz(node: &Node) -> serde_json::Value {
     get(&node.admin_url("/readyz"), &[]).await.json()["ratelimit"].clone()
 }
 
+/// Guards against a hang only.
+const HANG: Duration = Duration::from_secs(30);
+
 /// Waits until every node has synced and sees `n` nodes.
 async fn wait_synced(f: &Fleet, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + HANG;
     for node in &f.nodes {
         loop {
             let r = readyz(node).await;
@@ -113,8 +120,11 @@ async fn paced(url: String, key: String, rate: f64, secs: f64, tally: Arc<Tally>
     }
 }
 
-/// Sends one key's traffic over the nodes: `rate` a second in total, split by `weights`.
-async fn spread(f: &Fleet, key: &str, rate: f64, weights: &[f64], secs: f64, tally: &Arc<Tally>) {
+/// Sends one key's traffic over the nodes: `rate` a second in total, split by `weights`;
+/// how long it took, from the first request sent to the last answer (never less than
+/// `secs`: requests are not sent before they are due).
+async fn spread(f: &Fleet, key: &str, rate: f64, weights: &[f64], secs: f64, tally: &Arc<Tally>) -> f64 {
+    let start = Instant::now();
     let runs = f
         .nodes
         .iter()
@@ -122,6 +132,38 @@ async fn spread(f: &Fleet, key: &str, rate: f64, weights: &[f64], secs: f64, tal
         .map(|(n, w)| tokio::spawn(paced(n.url("/orders"), key.to_owned(), rate * w, secs, tally.clone())));
     for r in runs.collect::<Vec<_>>() {
         r.await.unwrap();
+    }
+    start.elapsed().as_secs_f64()
+}
+
+/// The value of the metric line `series` on `node`.
+async fn metric(node: &Node, series: &str) -> u64 {
+    let m = get(&node.admin_url("/metrics"), &[]).await;
+    String::from_utf8_lossy(&m.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no {series} on the node"))
+}
+
+/// Requests with `key` to `node` are decided without waiting for the fleet's sync: ten in
+/// a row are answered (admitted or limited) between two of the node's sync rounds (those
+/// ending `outcome`, counted by the node), in some stretch of ten that no round ended in.
+/// A request that waited for a sync round could not be answered before one ended.
+async fn answered_between_syncs(node: &Node, key: &str, outcome: &str) {
+    let series = format!("postern_ratelimit_sync_total{{outcome=\"{outcome}\"}}");
+    let c = client();
+    let end = Instant::now() + HANG;
+    loop {
+        let before = metric(node, &series).await;
+        for _ in 0..10 {
+            let r = send_with(&c, Method::GET, &node.url("/orders"), &[("x-api-key", key)], Bytes::new()).await;
+            let status = r.expect("a request failed").status;
+            assert!(matches!(status, StatusCode::OK | StatusCode::TOO_MANY_REQUESTS), "{status}");
+        }
+        if metric(node, &series).await == before {
+            return;
+        }
+        assert!(Instant::now() < end, "no ten requests fitted between two sync rounds ({outcome}) in {HANG:?}");
     }
 }
 
@@ -132,7 +174,7 @@ async fn three_nodes_hold_one_limit_within_ten_percent_as_traffic_shifts() {
         3,
         "redis://127.0.0.1:6379",
         &prefix,
-        &[("k-hot", "app-hot", "metered"), ("k-calm", "app-calm", "metered")],
+        &[("k-hot", "app-hot", "metered"), ("k-calm", "app-calm", "metered"), ("k-probe", "app-probe", "metered")],
     );
     wait_synced(&f, 3).await;
 
@@ -141,24 +183,32 @@ async fn three_nodes_hold_one_limit_within_ten_percent_as_traffic_shifts() {
     let hot = Arc::new(Tally::default());
     let calm = Arc::new(Tally::default());
     let calm_run = tokio::spawn(paced(f.nodes[0].url("/orders"), f.keys[1].clone(), 20.0, 10.0, calm.clone()));
-    spread(&f, &f.keys[0], 250.0, &[0.7, 0.2, 0.1], 5.0, &hot).await;
-    spread(&f, &f.keys[0], 250.0, &[0.1, 0.2, 0.7], 5.0, &hot).await;
+    let took = spread(&f, &f.keys[0], 250.0, &[0.7, 0.2, 0.1], 5.0, &hot).await;
+    // While the flood goes on, another key's requests are decided without waiting for a
+    // sync round, on the node the flood hits hardest now (a key of their own, so that
+    // they take nothing from the calm key's limit).
+    let (shifted, ()) = tokio::join!(
+        spread(&f, &f.keys[0], 250.0, &[0.1, 0.2, 0.7], 5.0, &hot),
+        answered_between_syncs(&f.nodes[2], &f.keys[2], "ok")
+    );
+    let took = took + shifted;
     calm_run.await.unwrap();
 
     let ok = hot.ok.load(Ordering::Relaxed) as f64;
     let limited = hot.limited.load(Ordering::Relaxed);
-    // 10 s at 100/s, plus the burst of 20.
+    // 10 s at 100/s, plus the burst of 20; at most the time it really took at 100/s.
     let expected = 100.0 * 10.0 + 20.0;
+    let most = 100.0 * took.max(10.0) + 20.0;
     eprintln!(
-        "hot key: admitted {ok} (expected {expected}), limited {limited}; calm key: admitted {} of 200, slowest {} µs",
+        "hot key: admitted {ok} (expected {expected}, at most {most:.0} in {took:.2} s), limited {limited}; calm key: admitted {} of 200, slowest {} µs",
         calm.ok.load(Ordering::Relaxed),
         calm.slowest_us.load(Ordering::Relaxed)
     );
     assert_eq!(hot.other.load(Ordering::Relaxed), 0);
-    assert!((ok - expected).abs() <= 0.1 * expected, "admitted {ok}, expected {expected} ± 10 %");
-    // The flood from one key leaves another key alone.
+    assert!(ok >= 0.9 * expected && ok <= 1.1 * most, "admitted {ok}, expected {expected} ± 10 % ({took:.2} s)");
+    // The flood from one key leaves another key alone: never limited, never failed.
     assert_eq!(calm.ok.load(Ordering::Relaxed), 200, "the calm key was limited");
-    assert!(calm.slowest_us.load(Ordering::Relaxed) < 1_000_000, "a calm request waited");
+    assert_eq!(calm.other.load(Ordering::Relaxed), 0, "a calm request failed");
 
     for n in &f.nodes {
         let m = get(&n.admin_url("/metrics"), &[]).await;
@@ -233,23 +283,34 @@ async fn with_redis_stopped_nodes_keep_their_shares_and_recover() {
     redis.stop();
     let lost_at = Instant::now();
     let during = Arc::new(Tally::default());
-    spread(&f, &f.keys[0], 200.0, &[0.5, 0.5], 4.0, &during).await;
+    let took = spread(&f, &f.keys[0], 200.0, &[0.5, 0.5], 4.0, &during).await;
     let ok = during.ok.load(Ordering::Relaxed) as f64;
     eprintln!(
-        "before: admitted {} slowest {} µs; Redis down: admitted {ok} slowest {} µs",
+        "before: admitted {} slowest {} µs; Redis down: admitted {ok} in {took:.2} s, slowest {} µs",
         before.ok.load(Ordering::Relaxed),
         before.slowest_us.load(Ordering::Relaxed),
         during.slowest_us.load(Ordering::Relaxed)
     );
-    // Bounded by the last shares: 4 s at 100/s fleet-wide, plus at most one burst.
-    assert!(ok <= 4.0 * 100.0 * 1.1 + 20.0, "admitted {ok} with Redis down");
+    // Bounded by the last shares: the time it took (4 s at least) at 100/s fleet-wide,
+    // plus at most one burst.
+    assert!(ok <= took.max(4.0) * 100.0 * 1.1 + 20.0, "admitted {ok} with Redis down in {took:.2} s");
     assert!(ok >= 4.0 * 100.0 * 0.8, "admitted {ok} with Redis down: the nodes stopped serving");
     assert_eq!(during.other.load(Ordering::Relaxed), 0);
-    // Nothing waits on Redis: the slowest answer is far below the sync's timeouts.
-    assert!(during.slowest_us.load(Ordering::Relaxed) < 250_000, "a request waited on the sync");
+    // Nothing waits on Redis: requests are decided between two of the sync's failed
+    // rounds.
+    answered_between_syncs(&f.nodes[0], &f.keys[0], "failed").await;
 
     for n in &f.nodes {
-        let r = readyz(n).await;
+        // The sync counts as lost after its missed rounds.
+        let end = Instant::now() + HANG;
+        let r = loop {
+            let r = readyz(n).await;
+            if r["state"] == "lost" {
+                break r;
+            }
+            assert!(Instant::now() < end, "the sync never counted as lost: {r} after {:?}", lost_at.elapsed());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         assert_eq!(r["state"], "lost", "{r} after {:?}", lost_at.elapsed());
         let m = get(&n.admin_url("/metrics"), &[]).await;
         let text = String::from_utf8_lossy(&m.body);
@@ -268,9 +329,13 @@ async fn with_redis_stopped_nodes_keep_their_shares_and_recover() {
     let r = get(&f.nodes[0].url("/orders"), &[("x-api-key", &f.keys[1])]).await;
     assert_eq!(r.status, StatusCode::OK);
     let after = Arc::new(Tally::default());
-    spread(&f, &f.keys[0], 200.0, &[0.5, 0.5], 3.0, &after).await;
+    let took = spread(&f, &f.keys[0], 200.0, &[0.5, 0.5], 3.0, &after).await;
     let ok = after.ok.load(Ordering::Relaxed) as f64;
-    assert!((ok - 320.0).abs() <= 0.15 * 320.0, "admitted {ok} after recovery, expected about 3 s x 100 + 20");
+    let most = took.max(3.0) * 100.0 + 20.0;
+    assert!(
+        ok >= 0.85 * 320.0 && ok <= 1.15 * most,
+        "admitted {ok} after recovery in {took:.2} s, expected about 3 s x 100 + 20"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -296,7 +361,7 @@ async fn a_redis_cluster_holds_the_limit_too() {
         .expect("redis-cli --cluster create");
     assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
     // Wait for every slot to be served.
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let deadline = Instant::now() + HANG;
     loop {
         let info = Command::new("redis-cli").args(["-p", &servers[0].port.to_string(), "cluster", "info"]).output();
         if info.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok")) {
@@ -326,11 +391,12 @@ async fn a_redis_cluster_holds_the_limit_too() {
     wait_synced(&f, 2).await;
 
     let t = Arc::new(Tally::default());
-    spread(&f, &f.keys[0], 250.0, &[0.8, 0.2], 5.0, &t).await;
+    let took = spread(&f, &f.keys[0], 250.0, &[0.8, 0.2], 5.0, &t).await;
     let ok = t.ok.load(Ordering::Relaxed) as f64;
     let expected = 100.0 * 5.0 + 20.0;
-    eprintln!("cluster: admitted {ok}, expected {expected}");
-    assert!((ok - expected).abs() <= 0.1 * expected, "admitted {ok}, expected {expected} ± 10 %");
+    let most = 100.0 * took.max(5.0) + 20.0;
+    eprintln!("cluster: admitted {ok}, expected {expected} (at most {most:.0} in {took:.2} s)");
+    assert!(ok >= 0.9 * expected && ok <= 1.1 * most, "admitted {ok}, expected {expected} ± 10 % ({took:.2} s)");
     // The keys landed on the cluster, spread over its slots by their hash tags.
     let mut held = 0;
     for r in &servers {

@@ -53,10 +53,64 @@ fn fixture(gateway: Option<&str>, routes_extra: &str, clusters: &[(&str, &str)],
     Fixture { node: Node::start(&snap, args), echo, _repo: repo }
 }
 
-/// Sends one raw HTTP/1.1 request and returns the whole answer (the node closes or the
-/// timeout passes).
+/// Guards against a hang only: far longer than anything here takes on a slow machine.
+const HANG: Duration = Duration::from_secs(30);
+
+/// Sends one raw HTTP/1.1 request and returns the whole answer, read until the node
+/// closes the connection (each request here ends with the node closing it).
 async fn raw_req(port: u16, req: &str) -> String {
-    raw(port, req.as_bytes(), Duration::from_secs(2)).await
+    raw(port, req.as_bytes(), HANG).await
+}
+
+/// Sends one raw HTTP/1.1 request and returns its answer, read to the end of the body
+/// its `Content-Length` gives (the node may keep the connection open after it), or until
+/// the node closes the connection.
+async fn raw_answer(port: u16, req: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = tokio::time::Instant::now() + HANG;
+    loop {
+        let text = String::from_utf8_lossy(&out).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case("content-length")))
+                .and_then(|(_, v)| v.trim().parse::<usize>().ok());
+            if length.is_some_and(|n| body.len() >= n) {
+                return text;
+            }
+        }
+        match tokio::time::timeout_at(end, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return text,
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("no whole answer in {HANG:?}: {text:?}"),
+        }
+    }
+}
+
+/// The value of the metric line `name` (no labels) on `node`.
+async fn metric(node: &Node, name: &str) -> u64 {
+    let text = String::from_utf8_lossy(&get(&node.admin_url("/metrics"), &[]).await.body).into_owned();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name} ")))
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {name}:\n{text}"))
+}
+
+/// Polls `metric` until `check` holds on its value; fails naming `what` after [`HANG`].
+async fn wait_metric(node: &Node, name: &str, what: &str, check: impl Fn(u64) -> bool) {
+    let end = Instant::now() + HANG;
+    loop {
+        let v = metric(node, name).await;
+        if check(v) {
+            return;
+        }
+        assert!(Instant::now() < end, "never happened in {HANG:?}: {what} ({name} {v})");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn status_of(answer: &str) -> u16 {
@@ -140,7 +194,7 @@ async fn one_authority_is_routed_and_sent() {
         ("GET /public HTTP/1.1\r\nhost: user@api.example.com\r\n\r\n", "user information"),
         ("GET /public HTTP/1.1\r\n\r\n", "no Host"),
     ] {
-        let a = raw_req(port, req).await;
+        let a = raw_answer(port, req).await;
         assert_eq!(status_of(&a), 400, "{why}: {a}");
     }
     assert_eq!(f.echo.count().await, before);
@@ -278,36 +332,23 @@ async fn a_trusted_hop_names_the_client_and_no_one_else_does() {
     assert_eq!(echoed(&v, "x-forwarded-proto"), ["http"]);
 }
 
-/// Whether the node closes a connection on which nothing is sent, within `within`.
-async fn closed_within(port: u16, hello: &[u8], within: Duration) -> bool {
+/// Sends `hello` on a new connection and reads until the node closes it: whether it did
+/// before [`HANG`] (the guard against a connection left open for good).
+async fn closed(port: u16, hello: &[u8]) -> bool {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
     s.write_all(hello).await.unwrap();
     let mut buf = Vec::new();
-    matches!(tokio::time::timeout(within, s.read_to_end(&mut buf)).await, Ok(Ok(_)))
+    matches!(tokio::time::timeout(HANG, s.read_to_end(&mut buf)).await, Ok(Ok(_)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_are_bounded() {
-    let extra = "  - name: capped\n    public: true\n    match: { path: { value: /capped } }\n    backendRefs: [{ name: one }]\n    timeouts: { connect: 1s, response: 5s }\n";
-    let echo2 = Echo::start("one");
-    let f = fixture(
-        None,
-        extra,
-        &[("one", &echo2.addr())],
-        &["--max-connections-per-ip", "4", "--handshake-timeout-s", "1", "--idle-timeout-s", "2"],
-    );
+    // A node with a 1 s handshake timeout and an idle timeout far longer than any pause
+    // between the requests below.
+    let f = fixture(None, "", &[], &["--handshake-timeout-s", "1", "--idle-timeout-s", "60"]);
     let port = f.node.public;
-
-    let metric = async |name: &str| {
-        let text = String::from_utf8_lossy(&get(&f.node.admin_url("/metrics"), &[]).await.body).into_owned();
-        text.lines()
-            .find(|l| l.starts_with(&format!("{name} ")))
-            .and_then(|l| l.split(' ').nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
     // A connection in use past the handshake timeout is not closed by it, over HTTP/1.1
-    // and HTTP/2.
+    // and HTTP/2: six requests 300 ms apart keep it busy for over 1.5 s.
     for c in [postern_e2e::client(), postern_e2e::h2c_client()] {
         for _ in 0..6 {
             let url = f.node.url("/public");
@@ -316,49 +357,80 @@ async fn connections_are_bounded() {
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     }
-    assert_eq!(metric("postern_connections_timed_out_total").await, 0, "a busy connection was closed");
+    assert_eq!(metric(&f.node, "postern_connections_timed_out_total").await, 0, "a busy connection was closed");
 
-    // A connection that sends nothing (no sniff, no head) is closed after the handshake
-    // timeout.
+    // A connection that sends nothing (no sniff, no head) is closed by the handshake
+    // timeout: no sooner than its 1 s, and counted as timed out.
     let t = Instant::now();
-    assert!(closed_within(port, b"", Duration::from_secs(4)).await, "a silent connection stayed open");
-    assert!(t.elapsed() >= Duration::from_millis(900), "closed before the handshake timeout");
+    assert!(closed(port, b"").await, "a silent connection stayed open");
+    assert!(t.elapsed() >= Duration::from_secs(1), "closed before the handshake timeout: {:?}", t.elapsed());
+    assert_eq!(metric(&f.node, "postern_connections_timed_out_total").await, 1, "closed by its timeout");
 
-    // Per source address: four held connections, the fifth is closed at accept.
+    // Per source address, on a node whose handshake timeout (30 s) outlasts the check:
+    // four held connections, the fifth is closed at accept (counted as refused, not as
+    // timed out).
+    let extra = "  - name: capped\n    public: true\n    match: { path: { value: /capped } }\n    backendRefs: [{ name: one }]\n    timeouts: { connect: 1s, response: 5s }\n";
+    let echo2 = Echo::start("one");
+    let g = fixture(
+        None,
+        extra,
+        &[("one", &echo2.addr())],
+        &["--max-connections-per-ip", "4", "--handshake-timeout-s", "30", "--idle-timeout-s", "2"],
+    );
+    let port = g.node.public;
     let mut held = Vec::new();
     for _ in 0..4 {
         held.push(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap());
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(closed_within(port, b"", Duration::from_millis(500)).await, "the fifth connection was accepted");
+    wait_metric(&g.node, "postern_open_connections", "four connections held", |n| n == 4).await;
+    assert!(closed(port, b"").await, "the fifth connection was kept open");
+    assert_eq!(metric(&g.node, "postern_connections_refused_total").await, 1, "the fifth was refused at accept");
+    assert_eq!(metric(&g.node, "postern_connections_timed_out_total").await, 0, "nothing timed out");
     drop(held);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    wait_metric(&g.node, "postern_open_connections", "the held connections closed", |n| n == 0).await;
 
     // An HTTP/2 connection idle after its request is closed (GOAWAY) after the idle timeout.
     let c = postern_e2e::h2c_client();
     let r =
-        postern_e2e::send_with(&c, http::Method::GET, &f.node.url("/public"), &[], bytes::Bytes::new()).await.unwrap();
+        postern_e2e::send_with(&c, http::Method::GET, &g.node.url("/public"), &[], bytes::Bytes::new()).await.unwrap();
     assert_eq!(r.status, StatusCode::OK);
-    let m = get(&f.node.admin_url("/metrics"), &[]).await;
-    let text = String::from_utf8_lossy(&m.body).into_owned();
-    let timed_out = |t: &str| {
-        t.lines()
-            .find(|l| l.starts_with("postern_connections_timed_out_total "))
-            .and_then(|l| l.split(' ').nth(1))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let before = timed_out(&text);
-    tokio::time::sleep(Duration::from_millis(3500)).await;
-    let m = get(&f.node.admin_url("/metrics"), &[]).await;
-    let text = String::from_utf8_lossy(&m.body).into_owned();
-    assert!(timed_out(&text) > before, "the idle HTTP/2 connection was not closed:\n{text}");
-    assert!(text.contains("postern_connections_refused_total 1"), "{text}");
+    wait_metric(&g.node, "postern_connections_timed_out_total", "the idle HTTP/2 connection closed", |n| n == 1).await;
+    wait_metric(&g.node, "postern_open_connections", "the idle HTTP/2 connection gone", |n| n == 0).await;
+    assert_eq!(metric(&g.node, "postern_connections_refused_total").await, 1);
+}
+
+/// A backend that holds every request until released (then answers each at once): the
+/// requests that arrived, as they arrive, and the switch that releases them.
+async fn held_backend() -> (String, tokio::sync::mpsc::UnboundedReceiver<()>, tokio::sync::watch::Sender<bool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (arrive, arrived) = tokio::sync::mpsc::unbounded_channel();
+    let (release, released) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (arrive, released) = (arrive.clone(), released.clone());
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                    let _ = arrive.send(());
+                    let mut released = released.clone();
+                    async move {
+                        let _ = released.wait_for(|r| *r).await;
+                        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                            bytes::Bytes::from_static(b"{}"),
+                        )))
+                    }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
+            });
+        }
+    });
+    (addr, arrived, release)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_holds_at_most_its_connection_cap() {
-    let slow = Echo::start("slow");
+    let (slow, mut arrived, release) = held_backend().await;
     let echo = Echo::start("e");
     let repo = Repo::new();
     repo.write(
@@ -366,30 +438,34 @@ async fn a_cluster_holds_at_most_its_connection_cap() {
         &format!(
             "clusters:\n  e:\n    endpoints: [\"{}\"]\n  slow:\n    endpoints: [\"{}\"]\n    maxConnections: 1\n",
             echo.addr(),
-            slow.addr()
+            slow
         ),
     );
     repo.write("platform/ownership.yaml", "owners:\n  - { host: \"*\", pathPrefix: /, team: t }\n");
     repo.write(
         "teams/t/routes.yaml",
-        "routes:\n  - name: slow\n    public: true\n    match: { path: { value: /slow } }\n    backendRefs: [{ name: slow }]\n    timeouts: { connect: 1s, response: 5s }\n",
+        "routes:\n  - name: slow\n    public: true\n    match: { path: { value: /slow } }\n    backendRefs: [{ name: slow }]\n    timeouts: { connect: 1s, response: 30s }\n",
     );
     let snap = repo.path().join("snapshot.json");
     repo.compile_ok(&snap);
     let node = Node::start(&snap, &[]);
-    let url = node.url("/slow?delay_ms=1500");
+    // The first request holds the cluster's one place until the backend is released.
+    let url = node.url("/slow");
     let first = tokio::spawn(async move { get(&url, &[]).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(HANG, arrived.recv()).await.expect("the first request never reached the backend");
     let second = get(&node.url("/slow"), &[]).await;
     assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", second.body);
     assert_eq!(second.json()["code"], "upstream_overloaded");
-    assert_eq!(first.await.unwrap().status, StatusCode::OK);
+    assert!(arrived.try_recv().is_err(), "the second request reached the backend");
+    release.send(true).unwrap();
+    let first = tokio::time::timeout(HANG, first).await.expect("the first request was never answered").unwrap();
+    assert_eq!(first.status, StatusCode::OK);
     // The place is given back when the response ends.
     assert_eq!(get(&node.url("/slow"), &[]).await.status, StatusCode::OK);
     // A cap over the platform's ceiling is refused at compile.
     repo.write(
         "platform/clusters.yaml",
-        &format!("clusters:\n  slow:\n    endpoints: [\"{}\"]\n    maxConnections: 0\n", slow.addr()),
+        &format!("clusters:\n  slow:\n    endpoints: [\"{slow}\"]\n    maxConnections: 0\n"),
     );
     let out = repo.compile(&repo.path().join("bad.json"));
     assert!(!out.status.success());
@@ -418,7 +494,12 @@ async fn secrets_stay_out_of_logs_and_process_lists() {
         &[("POSTERN_RATELIMIT_REDIS", "redis://:redis-password-very-secret@127.0.0.1:6379")],
     );
     assert_eq!(get(&node.url("/p"), &[]).await.status, StatusCode::OK);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The node names the Redis it syncs with (redacted) in its log.
+    let end = Instant::now() + HANG;
+    while !node.log().contains("redis://") {
+        assert!(Instant::now() < end, "the node never named its Redis:\n{}", node.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let log = node.log();
     assert!(log.contains("redis://:***@127.0.0.1:6379"), "{log}");
     assert!(!log.contains("very-secret"), "{log}");

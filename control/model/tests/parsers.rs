@@ -1,6 +1,7 @@
 //! Property tests for the parsers of what crosses the planes: the API-key shape check,
-//! the snapshot and credential envelopes and the credentials delta. No input panics; a
-//! good value passes; any change to a sealed file or a key is refused.
+//! the snapshot and credential envelopes and the credentials delta. No input panics and
+//! random input is refused; a good value passes; any change to a sealed file or a key is
+//! refused.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use postern_model::apikey::{self, KeyEnv};
@@ -23,8 +24,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn key_shapes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
-        let _ = apikey::check_shape(&bytes);
+    fn random_bytes_are_not_a_key(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+        // A key's prefix and checksum cannot come by chance.
+        prop_assert!(apikey::check_shape(&bytes).is_err(), "{:?}", bytes);
     }
 
     #[test]
@@ -39,20 +41,27 @@ proptest! {
     }
 
     #[test]
-    fn envelopes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
-        let _ = SnapshotFile::open(&bytes);
-        let _ = SnapshotFile::open_envelope(&bytes);
-        let _ = Credentials::open(&bytes);
-        let _ = DeltaDoc::parse(&bytes);
+    fn random_bytes_are_refused(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        prop_assert!(SnapshotFile::open(&bytes).is_err());
+        prop_assert!(SnapshotFile::open_envelope(&bytes).is_err());
+        prop_assert!(Credentials::open(&bytes).is_err());
+        // Not a delta at all, or one that does not parse.
+        prop_assert!(!matches!(DeltaDoc::parse(&bytes), Some(Ok(_))));
     }
 
     #[test]
-    fn json_shaped_envelopes_never_panic(version in any::<u64>(), hash in "[a-z0-9:]{0,80}", content in "[ -~]{0,200}") {
+    fn json_shaped_envelopes_with_random_hashes_and_contents_are_refused(
+        version in any::<u64>(),
+        hash in "[a-z0-9:]{0,80}",
+        content in "[ -~]{0,200}",
+    ) {
+        // A hash no content was hashed to: refused, whatever the content.
         let text = format!("{{\"version\":{version},\"hash\":\"{hash}\",\"content\":{content}}}");
-        let _ = SnapshotFile::open(text.as_bytes());
-        let _ = Credentials::open(text.as_bytes());
+        prop_assert!(SnapshotFile::open(text.as_bytes()).is_err(), "{}", text);
+        prop_assert!(Credentials::open(text.as_bytes()).is_err(), "{}", text);
+        // Random text is not a delta's base, version and changes.
         let delta = format!("{{\"delta\":{content}}}");
-        let _ = DeltaDoc::parse(delta.as_bytes());
+        prop_assert!(matches!(DeltaDoc::parse(delta.as_bytes()), Some(Err(_))), "{}", delta);
     }
 
     #[test]
