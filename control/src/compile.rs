@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 
 use crate::config::{
     AuthMethodDoc, ClustersDoc, CompressDoc, JsonLimitsDoc, OwnershipDoc, PathType, PlansDoc, RouteDoc, RoutesDoc,
-    ValidateDoc,
+    ValidateDoc, parse_duration, parse_yaml,
 };
 use crate::openapi::{Spec, SpecError};
 
@@ -127,25 +127,8 @@ impl Ctx {
     }
 }
 
-/// Parses YAML text into `T`; on error, the field path (empty for the document itself)
-/// and the message without the path the YAML error repeats.
-pub fn parse_yaml<T: DeserializeOwned>(text: &str) -> Result<T, (String, String)> {
-    let de = serde_yaml_ng::Deserializer::from_str(text);
-    serde_path_to_error::deserialize::<_, T>(de).map_err(|e| {
-        let field = e.path().to_string();
-        let field = if field == "." { String::new() } else { field };
-        let msg = e.into_inner().to_string();
-        // The YAML error repeats the enclosing path ("routes[0]: ..."); drop it.
-        let msg = match msg.split_once(": ") {
-            Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
-            _ => msg,
-        };
-        (field, msg)
-    })
-}
-
 fn parse_ms(s: &str) -> Result<u64, String> {
-    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms or 2s: {e}"))?;
+    let d = parse_duration(s)?;
     let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     if ms == 0 {
         return Err("must be more than 0".into());
@@ -166,7 +149,7 @@ fn ranged_ms(
     (min, max): (u64, u64),
     owner: Option<&str>,
 ) -> Option<u32> {
-    match humantime::parse_duration(v).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)) {
+    match parse_duration(v).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)) {
         Ok(ms) if (min..=max).contains(&ms) => u32::try_from(ms).ok(),
         Ok(_) => {
             let (lo, hi) = (Duration::from_millis(min), Duration::from_millis(max));
@@ -179,7 +162,7 @@ fn ranged_ms(
             None
         }
         Err(e) => {
-            cx.error(file, field, format!("{v:?} is not a duration like 10s: {e}"), owner);
+            cx.error(file, field, e, owner);
             None
         }
     }

@@ -8,8 +8,9 @@ use clap::{Args, Parser, Subcommand};
 use postern_model::apikey::KeyEnv;
 use postern_model::credentials::{Alg, Credentials, Priority};
 use postern_model::disk::unix_now;
+use posternctl::config::parse_duration;
 use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
-use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
+use posternctl::keys::{self, parse_alg, parse_priority};
 use posternctl::{out, outln};
 
 /// mimalloc, as in the node: compiling a large key table makes many small allocations.
@@ -83,7 +84,7 @@ enum Command {
         listen: std::net::SocketAddr,
         /// Time at each rollout stage (canary, 10 %, all) once its nodes run the new
         /// snapshot; 0s delivers every snapshot to every node at once.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "60s", value_parser = parse_duration)]
         dwell: std::time::Duration,
         /// Canary nodes, when no node declares itself one (`postern --control-canary`).
         #[arg(long, default_value_t = 1)]
@@ -96,7 +97,7 @@ enum Command {
         rollout_max_5xx_increase: f64,
         /// A changed route's p99 on the new version may be 2× the old one's or this much
         /// slower, whichever is more.
-        #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "20ms", value_parser = parse_duration)]
         rollout_p99_slack: std::time::Duration,
         /// The Ed25519 key every version is signed with (`posternctl signing-key new`);
         /// default: `<store>/signing.key`, made on first start, for a directory store.
@@ -590,7 +591,7 @@ enum FilterCommand {
         admin: String,
         /// Over this window (read twice, this far apart, e.g. 30s); default: since the
         /// node started.
-        #[arg(long, value_parser = humantime::parse_duration)]
+        #[arg(long, value_parser = parse_duration)]
         window: Option<std::time::Duration>,
         /// Print JSON instead of a table.
         #[arg(long)]
