@@ -8,8 +8,9 @@ use clap::{Args, Parser, Subcommand};
 use postern_model::apikey::KeyEnv;
 use postern_model::credentials::{Alg, Credentials, Priority};
 use postern_model::disk::unix_now;
+use posternctl::compile::RepoError;
 use posternctl::config::parse_duration;
-use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
+use posternctl::credentials::{CREDENTIALS_FILE, publish_credentials};
 use posternctl::keys::{self, parse_alg, parse_priority};
 use posternctl::{out, outln};
 
@@ -668,15 +669,13 @@ fn credentials_out(out: &Path) -> anyhow::Result<PathBuf> {
 /// The snapshot and the credential state of `repo`, or the exit code after printing
 /// every error.
 fn compile_all(repo: &Path) -> Result<(posternctl::compile::Compiled, Credentials), ExitCode> {
-    let compiled = posternctl::compile::compile(repo).map_err(|rejected| {
-        eprint!("{rejected}");
+    posternctl::compile::compile_repo(repo).map_err(|e| {
+        match e {
+            RepoError::Rejected(rejected) => eprint!("{rejected}"),
+            RepoError::Credentials(errors) => print_credential_errors(&errors),
+        }
         ExitCode::from(1)
-    })?;
-    let creds = compile_credentials(repo, &compiled.snapshot.plans).map_err(|errors| {
-        print_credential_errors(&errors);
-        ExitCode::from(1)
-    })?;
-    Ok((compiled, creds))
+    })
 }
 
 fn compile(repo: &Path, out: &Path, version: Option<u64>) -> ExitCode {

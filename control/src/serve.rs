@@ -1021,7 +1021,7 @@ impl Server {
             Ok(head) => head.and_then(|v| postern_model::credentials::Credentials::open(&v.bytes).ok()).map(|(_, c)| c),
             Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
-        let compiled = tokio::task::spawn_blocking(move || compile_repo(&repo, flags)).await;
+        let compiled = tokio::task::spawn_blocking(move || publishable(&repo, flags)).await;
         let Publishable { snapshot: new, snapshot_json: snapshot, credentials, modules } = match compiled {
             Ok(Ok(c)) => c,
             Ok(Err(errors)) => {
@@ -1399,13 +1399,14 @@ struct Publishable {
 }
 
 /// Compiles the repository's snapshot and credential state, with the modules it names.
-fn compile_repo(
+fn publishable(
     repo: &std::path::Path,
     flags: Option<postern_model::credentials::Credentials>,
 ) -> Result<Publishable, Vec<String>> {
-    let compiled =
-        crate::compile::compile(repo).map_err(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>())?;
-    let mut creds = crate::credentials::compile_credentials(repo, &compiled.snapshot.plans)?;
+    let (compiled, mut creds) = crate::compile::compile_repo(repo).map_err(|e| match e {
+        crate::compile::RepoError::Rejected(r) => r.0.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        crate::compile::RepoError::Credentials(errors) => errors,
+    })?;
     creds.keep_flags(flags.as_ref());
     let mut modules = Vec::new();
     for (digest, src) in &compiled.modules {
