@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, Full};
 use postern_model::credentials::{Credentials, CredentialsDelta, DeltaDoc, QuotaFlag};
 use postern_model::disk::unix_now;
 
-use super::{DELTAS_KEPT, Server};
+use super::state::{DELTAS_KEPT, QuotaService, Server};
 use crate::store::{Change, Lane, Version};
 use crate::usage::{QuotaEvent, Quotas, UsageStore};
 
@@ -30,20 +30,6 @@ const RECONCILE_FIRST: Duration = Duration::from_secs(60);
 const RECONCILE_EVERY: Duration = Duration::from_secs(3600);
 /// The longest wait between two deliveries of one event.
 const WEBHOOK_MAX_BACKOFF_S: u64 = 300;
-
-/// Quotas compiled as of (snapshot head, credentials head).
-type QuotaCache = Option<((u64, u64), Arc<Quotas>)>;
-
-/// The quota service's state in a server.
-#[derive(Debug, Default)]
-pub(super) struct QuotaService {
-    /// The quotas as of (snapshot head, credentials head).
-    quotas: std::sync::Mutex<QuotaCache>,
-    /// Woken after every applied batch.
-    pub(super) wake: tokio::sync::Notify,
-    /// Where quota events are posted.
-    pub(super) webhook: Option<String>,
-}
 
 impl QuotaService {
     /// A service posting events to `webhook`, if given.
