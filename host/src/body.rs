@@ -273,7 +273,7 @@ pub enum ResponseBody {
         /// Bounds the wait for each frame.
         stall: Stall,
         /// The place in the cluster's cap.
-        permit: Option<crate::upstream::Permit>,
+        permit: Option<postern_protect::Permit>,
     },
     /// Made by the gateway (problem+json, admin pages).
     Full(Option<Bytes>),

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
@@ -491,27 +491,6 @@ fn build(
         h2
     });
     Ok(Client { connector, h1, h2 })
-}
-
-/// A request's place in its cluster's cap on requests in flight; given back on drop.
-#[derive(Debug)]
-pub struct Permit(Arc<AtomicU32>);
-
-impl Permit {
-    /// A place under `max` in `gate`, or `None` when the cluster is at its cap.
-    pub fn take(gate: &Arc<AtomicU32>, max: u32) -> Option<Permit> {
-        if gate.fetch_add(1, Ordering::Relaxed) >= max {
-            gate.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        }
-        Some(Permit(gate.clone()))
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]
