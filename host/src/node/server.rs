@@ -17,10 +17,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
-use crate::live;
 use crate::metrics::Metrics;
-use crate::proxy::{ConnInfo, Gateway};
+use crate::node::live;
 use crate::snapshot::Builder;
+use crate::{gateway::Gateway, request::conn::ConnInfo};
 
 /// Node settings (command line).
 #[derive(Debug, Clone, clap::Parser)]
@@ -547,14 +547,14 @@ async fn serve_conn(
         let info = info.clone();
         let inflight = InFlight::start(&act);
         async move {
-            let resp = crate::proxy::handle(gw, info, req).await;
+            let resp = crate::request::proxy::handle(gw, info, req).await;
             drop(inflight);
             Ok::<_, std::convert::Infallible>(resp)
         }
     });
     let result = match tls {
         None => {
-            let io = TokioIo::new(crate::framing::Strict::new(stream));
+            let io = TokioIo::new(crate::request::framing::Strict::new(stream));
             drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
         }
         Some(acceptor) => match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
@@ -563,7 +563,7 @@ async fn serve_conn(
                     let io = TokioIo::new(tls_stream);
                     drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
                 } else {
-                    let io = TokioIo::new(crate::framing::Strict::new(tls_stream));
+                    let io = TokioIo::new(crate::request::framing::Strict::new(tls_stream));
                     drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
                 }
             }
@@ -590,7 +590,7 @@ async fn accept_loop(
     pool: Pool,
     tls: Option<TlsAcceptor>,
     limits: ConnLimits,
-    hops: Arc<crate::forwarded::Hops>,
+    hops: Arc<crate::request::forwarded::Hops>,
     mut stop: watch::Receiver<bool>,
 ) {
     let builder = http_builder();
@@ -637,7 +637,7 @@ async fn admin_loop(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Re
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let gw = gw.clone();
-                async move { Ok::<_, std::convert::Infallible>(crate::admin::handle(gw, req).await) }
+                async move { Ok::<_, std::convert::Infallible>(crate::node::admin::handle(gw, req).await) }
             });
             let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
         });
@@ -804,7 +804,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         builder.require_signed(t.clone());
     }
     if let (Some(cert), Some(key)) = (&args.upstream_cert, &args.upstream_key) {
-        let id = crate::upstream::Identity::load(cert, key).context("the client certificate for backends")?;
+        let id = crate::cluster::connect::Identity::load(cert, key).context("the client certificate for backends")?;
         builder.use_upstream_identity(Arc::new(id));
     }
     let ratesync = if args.ratelimit_redis.is_empty() {
@@ -812,7 +812,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         let limiter = Arc::new(postern_builtin_filters::ratelimit::Limiter::fleet(crate::snapshot::RATE_BUCKETS));
         builder.use_limiter(limiter.clone());
-        let settings = crate::ratesync::SyncSettings {
+        let settings = crate::node::ratesync::SyncSettings {
             urls: args.ratelimit_redis.clone(),
             cluster: args.ratelimit_cluster,
             prefix: args.ratelimit_prefix.clone(),
@@ -821,7 +821,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         };
         let shown: Vec<String> = settings.urls.iter().map(|u| postern_model::redact_url(u)).collect();
         tracing::info!(redis = ?shown, cluster = settings.cluster, node = %settings.node_id, "fleet-wide rate limits");
-        Some(crate::ratesync::start(limiter, settings).context("cannot start the rate sync")?)
+        Some(crate::node::ratesync::start(limiter, settings).context("cannot start the rate sync")?)
     };
     let builder = Arc::new(builder);
     let credentials = args.credentials.clone().unwrap_or_else(|| snapshot_dir.join("credentials.json"));
@@ -835,23 +835,24 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             .to_owned(),
         None => args.control_token.clone().unwrap_or_default(),
     };
-    let control = args.control.as_ref().zip(trust.clone()).map(|(url, trust)| crate::control_client::ControlSettings {
-        url: url.clone(),
-        token: token.clone(),
-        node_id: node_id.clone(),
-        snapshot: args.snapshot.clone(),
-        credentials: credentials.clone(),
-        modules: snapshot_dir.join("modules"),
-        canary: args.control_canary,
-        report_every: Duration::from_millis(args.control_report_ms.max(50)),
-        ca: args.control_ca.clone(),
-        trust,
-    });
+    let control =
+        args.control.as_ref().zip(trust.clone()).map(|(url, trust)| crate::node::control_client::ControlSettings {
+            url: url.clone(),
+            token: token.clone(),
+            node_id: node_id.clone(),
+            snapshot: args.snapshot.clone(),
+            credentials: credentials.clone(),
+            modules: snapshot_dir.join("modules"),
+            canary: args.control_canary,
+            report_every: Duration::from_millis(args.control_report_ms.max(50)),
+            ca: args.control_ca.clone(),
+            trust,
+        });
     if let Some(c) = &control
         && !args.snapshot.exists()
     {
         // First boot: nothing on disk yet, so wait for the control plane's head.
-        let bytes = crate::control_client::fetch_first(c, Duration::from_secs(30)).await?;
+        let bytes = crate::node::control_client::fetch_first(c, Duration::from_secs(30)).await?;
         live::persist_snapshot(&args.snapshot, &bytes)?;
     }
     let bytes =
@@ -952,8 +953,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         usage,
         access_log,
         tracer,
-        shed: crate::shedding::NodeShed::new(args.shed_cpu),
-        admission: crate::shedding::Admission::new(args.max_in_flight, args.partner_share),
+        shed: crate::cluster::shedding::NodeShed::new(args.shed_cpu),
+        admission: crate::cluster::shedding::Admission::new(args.max_in_flight, args.partner_share),
     });
     if credentials.exists() {
         live::reload_credentials(&gw, &credentials)
@@ -979,14 +980,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     if let Some(c) = control {
-        crate::control_client::start(gw.clone(), builder.clone(), c)?;
+        crate::node::control_client::start(gw.clone(), builder.clone(), c)?;
     }
     if let Some(dir) = &args.credentials_dir {
         let every = Duration::from_secs(args.credentials_dir_poll_s.max(1));
-        crate::control_client::watch_drop(gw.clone(), dir.clone(), every, credentials.clone());
+        crate::node::control_client::watch_drop(gw.clone(), dir.clone(), every, credentials.clone());
     }
     let limits = ConnLimits::from_args(&args);
-    let hops = Arc::new(crate::forwarded::Hops::parse(&args.trusted_hops).map_err(|e| anyhow::anyhow!(e))?);
+    let hops = Arc::new(crate::request::forwarded::Hops::parse(&args.trusted_hops).map_err(|e| anyhow::anyhow!(e))?);
     if !hops.is_empty() {
         tracing::info!(hops = ?args.trusted_hops, "X-Forwarded-For kept from trusted hops");
     }
@@ -996,7 +997,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, hops.clone(), stop_rx.clone())),
         tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop_rx.clone())),
         tokio::spawn(admin_loop(gw.clone(), admin, stop_rx.clone())),
-        tokio::spawn(crate::shedding::run(gw.clone(), args.workers, stop_rx.clone())),
+        tokio::spawn(crate::node::shed::run(gw.clone(), args.workers, stop_rx.clone())),
         tokio::spawn(close_idle_connections(builder.clone(), stop_rx.clone())),
         tokio::spawn(watch_snapshot(gw.clone(), builder, args.snapshot.clone(), credentials, watch_every, stop_rx)),
     ];

@@ -21,7 +21,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::body::UpstreamBody;
+use crate::request::body::UpstreamBody;
 
 /// How long a connection may wait idle in its pool before it is closed.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);

@@ -4,12 +4,10 @@
 //! Nothing here takes a lock, makes a network call other than to the backend, or holds
 //! anything across an `.await` but the request's own state.
 
-use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::uri::PathAndQuery;
@@ -17,85 +15,17 @@ use http::{HeaderName, HeaderValue, Method, Request, Response, Uri, Version};
 use hyper::body::Incoming;
 use postern_builtin_filters::ratelimit::{RATELIMIT, RATELIMIT_POLICY};
 use postern_filter_contract::{Context, Flow, Identity, Payer, Reply, RequestHead, ResponseFlow};
-use postern_model::Pool;
 use postern_router::Match;
 use postern_validate::Coding;
 
-use crate::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
-use crate::error::ProxyError;
-use crate::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
-use crate::metrics::Metrics;
-use crate::respond;
+use crate::gateway::Gateway;
+use crate::request::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
+use crate::request::conn::ConnInfo;
+use crate::request::error::ProxyError;
+use crate::request::headers::{self, TRACEPARENT, X_DEADLINE_MS, X_REQUEST_ID};
+use crate::request::respond;
 use crate::snapshot::{Backend, CompiledRoute, Live, Rewrite};
 use http_body_util::BodyExt;
-
-/// Shared state of the data plane.
-#[derive(Debug)]
-pub struct Gateway {
-    /// The live snapshot, swapped whole.
-    pub live: ArcSwap<Live>,
-    /// Process metrics.
-    pub metrics: Arc<Metrics>,
-    /// Authentication state (credentials, verified tokens, outcome counters).
-    pub auth: Arc<postern_builtin_filters::auth::Authenticator>,
-    /// The fleet-wide rate-limit sync, when the node is part of a fleet.
-    pub ratesync: Option<Arc<crate::ratesync::RateSync>>,
-    /// How long a backend's response body may send nothing before it is cut.
-    pub body_idle: Duration,
-    /// The control plane keys credential versions and deltas must be signed by (none:
-    /// any credentials file).
-    pub trust: Option<Arc<postern_model::sign::Trust>>,
-    /// Held while a credential state is applied and written to disk, so two writers (the
-    /// control plane's lane, the publish directory) never interleave: the file always
-    /// holds the live version, or the one before it and the delta log.
-    pub credentials_writer: std::sync::Mutex<()>,
-    /// Usage metering: every answered call of an authenticated caller is counted.
-    pub usage: Option<Arc<postern_usage::Usage>>,
-    /// The JSON access log, when the node writes one.
-    pub access_log: Option<Arc<postern_observe::AccessLog>>,
-    /// OpenTelemetry traces, when the node exports them.
-    pub tracer: Option<Arc<postern_observe::Tracer>>,
-    /// Priority shedding on the node's CPU.
-    pub shed: crate::shedding::NodeShed,
-    /// The node's admission budget, with the partner pool's share.
-    pub admission: crate::shedding::Admission,
-}
-
-/// Facts about one client connection, computed once per connection.
-#[derive(Debug)]
-pub struct ConnInfo {
-    /// The listener's pool.
-    pub pool: Pool,
-    /// The client's address.
-    pub peer: SocketAddr,
-    /// `http` or `https`.
-    pub proto: HeaderValue,
-    /// `X-Forwarded-For` value (the client's IP; client-sent values are not trusted).
-    pub xff: HeaderValue,
-    /// `Forwarded` value (`for=..;proto=..`, RFC 7239).
-    pub forwarded: HeaderValue,
-    /// The trusted hops, when the peer is one: its `X-Forwarded-For` names the client.
-    pub via_hop: Option<Arc<crate::forwarded::Hops>>,
-}
-
-impl ConnInfo {
-    /// Facts for a connection from `peer` on a `pool` listener.
-    pub fn new(pool: Pool, peer: SocketAddr, tls: bool, hops: &Arc<crate::forwarded::Hops>) -> ConnInfo {
-        let proto = if tls { "https" } else { "http" };
-        let ip = peer.ip();
-        let xff = HeaderValue::from_str(&ip.to_string()).unwrap_or(HeaderValue::from_static("unknown"));
-        let fwd =
-            if ip.is_ipv6() { format!("for=\"[{ip}]\";proto={proto}") } else { format!("for={ip};proto={proto}") };
-        ConnInfo {
-            pool,
-            peer,
-            proto: HeaderValue::from_static(proto),
-            xff,
-            forwarded: HeaderValue::from_str(&fwd).unwrap_or(HeaderValue::from_static("for=unknown")),
-            via_hop: hops.trusts(ip).then(|| hops.clone()),
-        }
-    }
-}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -187,7 +117,7 @@ struct Marks<'l> {
     /// When the request was sent upstream (0: it was not).
     sent: u64,
     /// The cluster and endpoint it went to.
-    to: Option<(&'l crate::snapshot::Upstream, http::uri::Authority)>,
+    to: Option<(&'l crate::cluster::Upstream, http::uri::Authority)>,
 }
 
 impl Marks<'_> {
@@ -536,8 +466,8 @@ async fn forward<'l>(
 ) -> Result<Response<ResponseBody>, Ending> {
     let (mut parts, body) = req.into_parts();
     // One canonical request before routing: one authority, one path.
-    crate::canon::path(&mut parts, &live.paths)?;
-    let routed = crate::canon::authority(&parts)?;
+    crate::request::canon::path(&mut parts, &live.paths)?;
+    let routed = crate::request::canon::authority(&parts)?;
     let route: &'l CompiledRoute =
         match live.router(conn.pool).find(&routed.host, &parts.method, parts.uri.path(), &parts.headers) {
             Match::Found(r) => r,
@@ -564,7 +494,7 @@ async fn forward<'l>(
     let hop = conn
         .via_hop
         .as_ref()
-        .map(|hops| crate::forwarded::through_hops(&parts.headers, conn.peer.ip(), &conn.proto, hops));
+        .map(|hops| crate::request::forwarded::through_hops(&parts.headers, conn.peer.ip(), &conn.proto, hops));
     headers::strip_hop_by_hop(&mut parts.headers);
     headers::strip_client_identity(&mut parts.headers);
     // The backend is told the host the request was routed on, whatever the client's
@@ -608,11 +538,13 @@ async fn forward<'l>(
     let backend = upstream.ok_or(ProxyError::NoEndpoint)?;
     let upstream = &*backend.upstream;
     // Shed by priority before the caller is charged a token or a filter runs.
-    let class = crate::shedding::admit(&gw.shed, upstream, || crate::shedding::class(route, live, cx, &parts.headers))
-        .map_err(ProxyError::Shed)?;
+    let class = crate::request::shed::admit(&gw.shed, upstream, || {
+        crate::request::shed::class(route, live, cx, &parts.headers)
+    })
+    .map_err(ProxyError::Shed)?;
     if let Some(cx) = cx {
         run_request_filters(rest, &mut parts, cx, &mut ex.passed, &mut ex.marks, ex.start).await?;
-        crate::canon::check_edited_path(&parts, &live.paths)?;
+        crate::request::canon::check_edited_path(&parts, &live.paths)?;
     }
     // On routes that validate: the parameters and the body's media type, before the
     // body is read or the backend is asked.
@@ -632,7 +564,7 @@ async fn forward<'l>(
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
     let permit = upstream
-        .permit(|| class.unwrap_or_else(|| crate::shedding::class(route, live, cx, &parts.headers)))
+        .permit(|| class.unwrap_or_else(|| crate::request::shed::class(route, live, cx, &parts.headers)))
         .ok_or(ProxyError::UpstreamOverloaded)?;
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
     // Admitted to the backend: its answer (or failure) counts for it.
@@ -699,7 +631,7 @@ async fn forward<'l>(
     let body_until = ex.start + route.body_total;
     // On HTTP/2 the client reports a failed upload only as a cancelled stream: the body
     // keeps its own account of how it failed.
-    let fate = upstream.transport.http2.then(Arc::<crate::body::Fate>::default);
+    let fate = upstream.transport.http2.then(Arc::<crate::request::body::Fate>::default);
     let body = LimitedBody::new(body, route.max_body_bytes, Stall::new(body_idle, body_until), fate.clone());
     let body = if route.buffer_body {
         // Small bodies on routes that opt in: read whole (the limit still counts every
@@ -707,7 +639,7 @@ async fn forward<'l>(
         let bytes = match tokio::time::timeout(left, body.collect()).await {
             Err(_) => return Err(ProxyError::BodyTimeout.into()),
             Ok(Err(e)) if is_too_large(&e) => return Err(too_large.into()),
-            Ok(Err(crate::body::BodyError::Stalled)) => return Err(ProxyError::BodyTimeout.into()),
+            Ok(Err(crate::request::body::BodyError::Stalled)) => return Err(ProxyError::BodyTimeout.into()),
             Ok(Err(e)) => return Err(ProxyError::BodyBroken(e).into()),
             Ok(Ok(c)) => c.to_bytes(),
         };
@@ -730,7 +662,7 @@ async fn forward<'l>(
             run_body_filters(route, &mut parts, &bytes, cx).await?;
             // The body phase edits the request as it goes upstream: its path must be
             // canonical too, and the forwarding headers stay the gateway's.
-            crate::canon::check_edited_path(&parts, &live.paths)?;
+            crate::request::canon::check_edited_path(&parts, &live.paths)?;
             set_forwarding(&mut parts.headers, conn, hop.as_ref());
         }
         // JSON, path variables and query → the method's protobuf input, framed.
@@ -770,9 +702,9 @@ async fn forward<'l>(
         _ => None,
     };
     // What the client accepts, kept for the answer (the request goes on to the backend).
-    let compress = route
-        .compress
-        .and_then(|min| Some((min, crate::compress::negotiate(&parts.headers)?, parts.method == Method::HEAD)));
+    let compress = route.compress.and_then(|min| {
+        Some((min, crate::request::compress::negotiate(&parts.headers)?, parts.method == Method::HEAD))
+    });
     let up = Request::from_parts(parts, body);
     let sent = Instant::now();
     if let Some(m) = ex.marks.as_mut() {
@@ -814,12 +746,12 @@ async fn forward<'l>(
         }
     }
     let body = match compress
-        .and_then(|(min, want, head)| crate::compress::choose(min, head, Some(want), rp.status, &rp.headers))
+        .and_then(|(min, want, head)| crate::request::compress::choose(min, head, Some(want), rp.status, &rp.headers))
     {
         None => body,
         Some(coding) => {
             let body = body.compressed(coding).map_err(|_| ProxyError::Internal("cannot start compressing"))?;
-            crate::compress::mark(coding, &mut rp.headers);
+            crate::request::compress::mark(coding, &mut rp.headers);
             body
         }
     };
@@ -914,7 +846,7 @@ async fn exchange(
     ticket: postern_protect::Ticket,
     up: Request<UpstreamBody>,
     left: Duration,
-    fate: Option<&crate::body::Fate>,
+    fate: Option<&crate::request::body::Fate>,
 ) -> Result<Response<Incoming>, ProxyError> {
     let upstream = &*backend.upstream;
     let pool = upstream.pool(host).ok_or(ProxyError::NoEndpoint)?;
@@ -937,13 +869,15 @@ async fn exchange(
             Err(ProxyError::ResponseTimeout { timeout: route.response_timeout })
         }
         Ok(Err(e)) => {
-            let e = match fate.and_then(crate::body::Fate::get) {
-                Some(crate::body::FateKind::TooLarge) => ProxyError::BodyTooLarge { limit: route.max_body_bytes },
-                Some(crate::body::FateKind::Client) => ProxyError::ClientBodyBroken(e),
-                Some(crate::body::FateKind::Stalled) => ProxyError::BodyTimeout,
+            let e = match fate.and_then(crate::request::body::Fate::get) {
+                Some(crate::request::body::FateKind::TooLarge) => {
+                    ProxyError::BodyTooLarge { limit: route.max_body_bytes }
+                }
+                Some(crate::request::body::FateKind::Client) => ProxyError::ClientBodyBroken(e),
+                Some(crate::request::body::FateKind::Stalled) => ProxyError::BodyTimeout,
                 None => ProxyError::from_client(e, route.max_body_bytes),
             };
-            if e.origin() != crate::error::Origin::Downstream {
+            if e.origin() != crate::request::error::Origin::Downstream {
                 record(true);
             }
             Err(e)
@@ -1038,7 +972,7 @@ async fn retry(
 
 /// The forwarding headers the backend is told: from the connection, or from a trusted
 /// hop's chain.
-fn set_forwarding(h: &mut http::HeaderMap, conn: &ConnInfo, hop: Option<&crate::forwarded::Forwarding>) {
+fn set_forwarding(h: &mut http::HeaderMap, conn: &ConnInfo, hop: Option<&crate::request::forwarded::Forwarding>) {
     match hop {
         None => {
             h.insert(X_FORWARDED_FOR, conn.xff.clone());

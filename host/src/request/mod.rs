@@ -1,0 +1,15 @@
+//! One request, phase by phase: strict framing, the canonical request, routing and
+//! the chain of filters, forwarding to the backend, compression, and the one ending
+//! where every answer is made (`respond`).
+
+pub mod body;
+pub mod canon;
+pub mod compress;
+pub mod conn;
+pub mod error;
+pub mod forwarded;
+pub mod framing;
+pub mod headers;
+pub mod proxy;
+pub mod respond;
+pub mod shed;
