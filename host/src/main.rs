@@ -11,7 +11,7 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let args = postern::node::server::Args::parse();
+    let args = postern::node::args::Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("POSTERN_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)

@@ -479,7 +479,7 @@ fn build(
         builder.enable_http1().wrap_connector(connector)
     };
     let mut h1 = http1::Builder::new();
-    // As the listeners' (`server::http_builder`): a backend connection's read buffer
+    // As the listeners' (`node::listen::http_builder`): a backend connection's read buffer
     // stops at 64 KiB instead of hyper's ~400 KiB, so a large response streams through
     // in small chunks.
     h1.max_buf_size(64 * 1024);

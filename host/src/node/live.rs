@@ -1,6 +1,6 @@
 //! A node's live state: the snapshot and the credential state it serves, and their
 //! copies on disk (the snapshot file, the credentials file and the log of fast-lane deltas
-//! beside it). Both ways versions arrive — the file watcher and SIGHUP in [`crate::node::server`],
+//! beside it). Both ways versions arrive — the file watcher and SIGHUP in [`crate::node::watch`],
 //! the control plane in [`crate::node::control_client`] — apply and persist them through here,
 //! and nothing else swaps or writes them.
 //!

@@ -3,9 +3,12 @@
 //! its live state, the rate sync and the shedding tick.
 
 pub mod admin;
+pub mod args;
 pub mod control_client;
 pub mod exposition;
+pub mod listen;
 pub mod live;
 pub mod ratesync;
 pub mod server;
 pub mod shed;
+pub mod watch;

@@ -2,7 +2,7 @@
 //!
 //! Retries, breakers and outlier ejection act on an upstream failure's kind, so a failure
 //! is classified once, where it happens, from typed sources (never from an error's text).
-//! It becomes the caller's problem+json in exactly one place, [`crate::respond`].
+//! It becomes the caller's problem+json in exactly one place, [`crate::request::respond`].
 
 use std::time::Duration;
 
