@@ -352,6 +352,9 @@ impl Server {
             (Method::GET, ["v1", "usage", "stream"]) if *role == Role::Platform => {
                 json(StatusCode::OK, &self.stream.to_json())
             }
+            (Method::GET, ["v1", "usage", "refusals"]) if *role == Role::Platform => {
+                self.usage_read(|u| u.refusals().map(|r| serde_json::json!({ "refusals": r }))).await
+            }
             (Method::GET, ["v1", "usage", "nodes"]) if *role == Role::Platform => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
             }

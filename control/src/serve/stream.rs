@@ -192,7 +192,8 @@ impl Server {
                     self.stream.duplicates.fetch_add(ack.duplicates, Ordering::Relaxed);
                     return;
                 }
-                Err(ApplyError::Conflict { .. }) => break,
+                // A part the store will never take: find it alone below.
+                Err(ApplyError::Conflict { .. } | ApplyError::Refused(_)) => break,
                 Err(e) => {
                     self.stream.failed(e.to_string());
                     tokio::time::sleep(backoff).await;
@@ -210,7 +211,7 @@ impl Server {
                         self.stream.duplicates.fetch_add(ack.duplicates, Ordering::Relaxed);
                         break;
                     }
-                    Err(e @ ApplyError::Conflict { .. }) => {
+                    Err(e @ (ApplyError::Conflict { .. } | ApplyError::Refused(_))) => {
                         self.stream.rejected.fetch_add(1, Ordering::Relaxed);
                         self.stream.failed(e.to_string());
                         break;

@@ -48,11 +48,18 @@ impl Server {
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
         };
         for w in &batch.windows {
-            if let Err(e) = w.check() {
-                return error(StatusCode::BAD_REQUEST, e.to_string());
-            }
             if !role.speaks_for(&w.node) {
                 return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));
+            }
+            if let Err(e) = w.check() {
+                // Out of shape: refused, and counted for the node it names.
+                let (store, now) = (store.clone(), postern_model::disk::unix_now());
+                let recorded = tokio::task::spawn_blocking(move || store.refused(&e, now).map(|()| e)).await;
+                return match recorded {
+                    Ok(Ok(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                    Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+                    Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                };
             }
         }
         match self.apply_usage(store, batch.windows).await {
@@ -60,6 +67,10 @@ impl Server {
             Err(e @ ApplyError::Conflict { .. }) => {
                 eprintln!("posternctl serve: {e}");
                 error(StatusCode::CONFLICT, e.to_string())
+            }
+            Err(e @ ApplyError::Refused(_)) => {
+                eprintln!("posternctl serve: {e}");
+                error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
             }
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }

@@ -33,7 +33,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-pub use self::intake::ApplyError;
+pub use self::intake::{ApplyError, CLOCK_ALLOWANCE_S, MAX_SEQ_GAP, Refusal};
 pub use self::params::{parse_time, query_escape, query_unescape, rfc3339};
 pub use self::queries::{By, LatencySummary, MAX_ROWS, NodeWindows, Query, StatusClasses, Total, UsageRow};
 pub use self::quota::{QuotaEvent, Quotas};

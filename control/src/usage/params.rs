@@ -4,8 +4,13 @@
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 
 /// `YYYY-MM-DDTHH:MM:SSZ`.
+///
+/// Total: a time past the end of year 9999 (which RFC 3339 cannot write) is written as
+/// that end, `9999-12-31T23:59:59Z`; nothing the store holds is that late (the intake
+/// refuses windows from the future).
 pub fn rfc3339(t: u64) -> String {
-    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t)).to_string()
+    const LAST: u64 = 253_402_300_799; // 9999-12-31T23:59:59Z
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t.min(LAST))).to_string()
 }
 
 /// A time as the usage API takes it: Unix seconds, `YYYY-MM-DD` (UTC midnight) or RFC 3339

@@ -139,7 +139,9 @@ pub(crate) fn use_quota(
     if q.mode != QuotaMode::Hard {
         return Ok(0);
     }
-    if before < q.calls && q.calls <= after {
+    // A flag stands for the period that holds now, never a window's: a late window of a
+    // period already over flags nothing, and none can flag a period to come.
+    if before < q.calls && q.calls <= after && q.anchor.period(now) == (ps, pe) {
         tx.execute(
             "INSERT INTO over_quota (caller, kind, product, until, quota, period_s, since)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",

@@ -250,9 +250,14 @@ fn lacking(conn: &Connection, own: &NodeCounters) -> rusqlite::Result<Vec<Missin
     let mut out: Vec<Missing> = Vec::new();
     for m in missing {
         // The numbers of the run in no unavailable run, as runs again.
+        // Each step moves past one unavailable run (checked runs end at or below
+        // `through`, far below u64::MAX), so there are at most that many steps plus one.
         let mut from = m.from;
         let to = m.to.min(own.through);
-        while from <= to {
+        for _ in 0..=own.unavailable.len() {
+            if from > to {
+                break;
+            }
             match own.unavailable.iter().filter(|&&(f, t)| t >= from && f <= to).min() {
                 Some(&(f, t)) if f <= from => from = t.saturating_add(1),
                 Some(&(f, t)) => {
@@ -263,6 +268,9 @@ fn lacking(conn: &Connection, own: &NodeCounters) -> rusqlite::Result<Vec<Missin
                     out.push(Missing { node: m.node.clone(), from, to });
                     break;
                 }
+            }
+            if from == u64::MAX {
+                break;
             }
         }
     }

@@ -119,7 +119,10 @@ impl UsageStore {
                 node TEXT NOT NULL, period TEXT NOT NULL, caller TEXT NOT NULL, kind TEXT NOT NULL,
                 product TEXT NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
                 s4 INTEGER NOT NULL, s5 INTEGER NOT NULL,
-                PRIMARY KEY (node, period, caller, kind, product)) WITHOUT ROWID;"
+                PRIMARY KEY (node, period, caller, kind, product)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS refusals (
+                node TEXT NOT NULL, rule TEXT NOT NULL, count INTEGER NOT NULL, last_at INTEGER NOT NULL,
+                last_seq INTEGER NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule)) WITHOUT ROWID;"
         ))?;
         // `overshoot` came with quotas: a store made before them gains the column.
         let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();

@@ -99,12 +99,16 @@ fn gaps_below_the_highest_number_are_asked_for_until_filled() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
     let w = |seq| window("a", seq, DEC + seq * 10, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1)]);
+    // `now` is after the last window: a window may not start in the future.
     let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
-    assert_eq!(missing(store.apply(&[w(1), w(2)], DEC, &Quotas::default()).unwrap()), vec![]);
+    assert_eq!(missing(store.apply(&[w(1), w(2)], DEC + 100, &Quotas::default()).unwrap()), vec![]);
     // 3..5 and 7 never came.
-    assert_eq!(missing(store.apply(&[w(6), w(8)], DEC, &Quotas::default()).unwrap()), vec![(3, 5), (7, 7)]);
-    assert_eq!(missing(store.apply(&[w(4), w(9)], DEC, &Quotas::default()).unwrap()), vec![(3, 3), (5, 5), (7, 7)]);
-    assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC, &Quotas::default()).unwrap()), vec![]);
+    assert_eq!(missing(store.apply(&[w(6), w(8)], DEC + 100, &Quotas::default()).unwrap()), vec![(3, 5), (7, 7)]);
+    assert_eq!(
+        missing(store.apply(&[w(4), w(9)], DEC + 100, &Quotas::default()).unwrap()),
+        vec![(3, 3), (5, 5), (7, 7)]
+    );
+    assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC + 100, &Quotas::default()).unwrap()), vec![]);
     assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
     assert_eq!(store.nodes().unwrap()[0].missing, 0);
 }
@@ -359,4 +363,75 @@ fn an_overage_quota_warns_and_bills_everything() {
     assert_eq!(store.live_flags(DEC).unwrap(), vec![], "overage is never blocked");
     let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
     assert_eq!((t.billable, t.overshoot), (25, 0));
+}
+
+#[test]
+fn a_node_may_report_only_what_it_could_have_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Hard, 100, 60);
+    let ok = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 5, 0, 0, 0], 4)]);
+    store.apply(&[ok(1, DEC), ok(2, DEC + 10)], DEC + 20, &q).unwrap();
+    let before = (store.totals("2026-12", None).unwrap(), store.live_flags(DEC + 20).unwrap(), store.nodes().unwrap());
+    let rule = |r: Result<UsageAck, ApplyError>| match r {
+        Err(ApplyError::Refused(e)) => e.rule(),
+        other => panic!("not refused: {other:?}"),
+    };
+    // The year 10000, with a million calls: in the future, and no flag for anyone.
+    let far = window("a", 3, 253_402_300_800, vec![row("k1", "search/query", [0, 1_000_000, 0, 0, 0], 4)]);
+    assert_eq!(rule(store.apply(&[far], DEC + 20, &q)), "future_window");
+    // A clock a little ahead is allowed; more than CLOCK_ALLOWANCE_S is not.
+    assert_eq!(rule(store.apply(&[ok(3, DEC + 20 + CLOCK_ALLOWANCE_S + 10)], DEC + 20, &q)), "future_window");
+    // A number far above the node's highest.
+    assert_eq!(rule(store.apply(&[ok(3 + MAX_SEQ_GAP, DEC + 20)], DEC + 20, &q)), "seq_gap");
+    // Back-dated behind its own earlier window, or ahead of a later one.
+    assert_eq!(rule(store.apply(&[ok(3, DEC - 10)], DEC + 20, &q)), "time_order");
+    store.apply(&[ok(5, DEC + 40)], DEC + 40, &q).unwrap();
+    assert_eq!(rule(store.apply(&[ok(4, DEC + 50)], DEC + 50, &q)), "time_order");
+    // One refused window refuses its whole batch: the good one beside it is not applied.
+    assert_eq!(rule(store.apply(&[ok(4, DEC + 30), ok(6, DEC - 60)], DEC + 50, &q)), "time_order");
+    let after = (store.totals("2026-12", None).unwrap(), store.live_flags(DEC + 50).unwrap(), store.nodes().unwrap());
+    assert_eq!(after.0[0].billable, before.0[0].billable + 5, "only window 5 was added");
+    assert_eq!((after.1.len(), before.1.len()), (0, 0));
+    assert_eq!(after.2[0].last_seq, 5);
+    // The same windows in order are taken.
+    store.apply(&[ok(3, DEC + 20), ok(4, DEC + 30)], DEC + 50, &q).unwrap();
+    let refusals = store.refusals().unwrap();
+    let by_rule: Vec<(&str, u64)> = refusals.iter().map(|r| (r.rule.as_str(), r.count)).collect();
+    assert_eq!(by_rule, vec![("future_window", 2), ("seq_gap", 1), ("time_order", 3)]);
+    assert!(refusals.iter().all(|r| r.node == "a"));
+    // A re-send of a window already applied is a duplicate, whatever the clock says now.
+    assert_eq!(store.apply(&[ok(1, DEC)], DEC + 1_000_000, &q).unwrap().duplicates, 1);
+}
+
+#[test]
+fn a_late_window_of_a_period_already_over_flags_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Hard, 100, 60);
+    let w = |seq, start, ok| window("a", seq, start, vec![row("k1", "search/query", [0, ok, 0, 0, 0], 4)]);
+    // 120 calls of the period [DEC, DEC + 60) arrive after it ended: billed up to the
+    // quota, no flag on the period that holds now.
+    store.apply(&[w(1, DEC + 50, 120)], DEC + 70, &q).unwrap();
+    assert_eq!(store.live_flags(DEC + 70).unwrap(), vec![]);
+    // In the period that holds now, the same flags until that period's end.
+    store.apply(&[w(2, DEC + 60, 120)], DEC + 75, &q).unwrap();
+    let flags = store.live_flags(DEC + 75).unwrap();
+    assert_eq!(flags.iter().map(|f| f.until).collect::<Vec<_>>(), vec![DEC + 120]);
+}
+
+#[test]
+fn reconcile_asks_for_runs_whatever_the_counters_claim() {
+    let c = |through, unavailable: Vec<(u64, u64)>| NodeCounters {
+        node: "a".into(),
+        period: "2026-12".into(),
+        through,
+        rows: vec![],
+        unavailable,
+    };
+    assert!(c(u64::MAX, vec![]).check().is_err(), "through past MAX_SEQ");
+    assert!(c(10, vec![(5, u64::MAX)]).check().is_err(), "a run past through");
+    assert!(c(10, vec![(3, 4), (6, 10)]).check().is_ok());
+    assert_eq!(rfc3339(u64::MAX), "9999-12-31T23:59:59Z");
+    assert_eq!(rfc3339(DEC), "2026-12-01T00:00:00Z");
 }
