@@ -236,7 +236,7 @@ pub(crate) enum SigningKeyCommand {
 }
 
 /// How to reach a serving control plane.
-/// `posternctl usage reconcile|export`.
+/// `posternctl usage reconcile|lift|export`.
 #[derive(Subcommand)]
 pub(crate) enum UsageAction {
     /// Check a billing period (every node's windows, no number missing, the period over)
@@ -247,6 +247,21 @@ pub(crate) enum UsageAction {
         /// The period, YYYY-MM.
         #[arg(long)]
         period: String,
+    },
+    /// Lift a caller's over-quota flags (an audited platform decision): its calls are
+    /// served again on every node within seconds; its use stays counted.
+    Lift {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// The API key id.
+        #[arg(long, conflicts_with = "app", required_unless_present = "app")]
+        key: Option<String>,
+        /// The OAuth app's client_id.
+        #[arg(long)]
+        app: Option<String>,
+        /// Only on this product (every product by default).
+        #[arg(long)]
+        product: Option<String>,
     },
     /// A final period's billing lines: one JSON line per caller and product.
     Export {

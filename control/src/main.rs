@@ -437,6 +437,16 @@ fn main() -> ExitCode {
         Command::Usage { action: Some(UsageAction::Reconcile { control, period }), .. } => {
             report(call(&control, "POST", &format!("/v1/usage/reconcile?period={period}")))
         }
+        Command::Usage { action: Some(UsageAction::Lift { control, key, app, product }), .. } => {
+            let mut query = match (key, app) {
+                (Some(k), _) => format!("key={}", posternctl::usage::query_escape(&k)),
+                (None, a) => format!("app={}", posternctl::usage::query_escape(&a.unwrap_or_default())),
+            };
+            if let Some(p) = product {
+                query.push_str(&format!("&product={}", posternctl::usage::query_escape(&p)));
+            }
+            report(call(&control, "POST", &format!("/v1/usage/flags/lift?{query}")))
+        }
         Command::Usage { action: Some(UsageAction::Export { control, period }), .. } => {
             report(usage_export(&control, &period))
         }

@@ -607,4 +607,31 @@ async fn a_node_token_cannot_report_calls_no_node_could_have_counted() {
         billed(&cp).get("victim").copied().unwrap_or(0) > before.0.get("victim").copied().unwrap_or(0)
     })
     .await;
+
+    // Honest use past the hard quota flags the key on every node; the platform lifts
+    // the flag (audited) and the key is served again once the lift answers.
+    let (status, ack) =
+        post_usage(&cp, Some(NODE_TOKEN), batch(forged_window("node-z", 2, now - 20, "victim", 1_000))).await;
+    assert_eq!(status, StatusCode::OK, "{ack}");
+    wait_for("the key refused over its quota", Duration::from_secs(60), async || {
+        call(&node, &victim, 200).await == StatusCode::TOO_MANY_REQUESTS
+    })
+    .await;
+    let flags = read("/v1/usage/flags").await;
+    assert_eq!(flags["over_quota"][0]["caller"], "victim", "{flags}");
+    let lift = ctl(&cp, &["usage", "lift", "--key", "victim"]);
+    assert_eq!(lift["lifted"][0]["caller"], "victim", "{lift}");
+    assert_eq!(lift["credentials"]["acked"], serde_json::json!(["node-0"]), "{lift}");
+    assert_eq!(call(&node, &victim, 200).await, StatusCode::OK);
+    assert_eq!(read("/v1/usage/flags").await["over_quota"], serde_json::json!([]));
+    let audit = read("/v1/audit").await;
+    let last = audit.as_array().unwrap().last().unwrap().clone();
+    assert_eq!((last["action"].as_str(), last["who"].as_str()), (Some("quota-lift"), Some("alice")), "{last}");
+    // Lifting what is not flagged says so.
+    let out = Command::new(bin("posternctl"))
+        .args(["usage", "lift", "--key", "victim", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no live over-quota flag"), "{out:?}");
 }

@@ -352,6 +352,17 @@ impl Server {
             (Method::GET, ["v1", "usage", "stream"]) if *role == Role::Platform => {
                 json(StatusCode::OK, &self.stream.to_json())
             }
+            (Method::POST, ["v1", "usage", "flags", "lift"]) if *role == Role::Platform => {
+                let caller = match (param("key"), param("app")) {
+                    (Some(k), None) => (k, postern_model::usage::CallerKind::Key),
+                    (None, Some(a)) => (a, postern_model::usage::CallerKind::App),
+                    _ => return error(StatusCode::BAD_REQUEST, "lift needs ?key=<key id> or ?app=<client_id>"),
+                };
+                let wait = Duration::from_secs(
+                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
+                );
+                self.lift_flags(&who.name, caller, param("product"), wait).await
+            }
             (Method::GET, ["v1", "usage", "refusals"]) if *role == Role::Platform => {
                 self.usage_read(|u| u.refusals().map(|r| serde_json::json!({ "refusals": r }))).await
             }

@@ -75,19 +75,25 @@ impl Server {
     /// Publishes the usage store's live over-quota flags on the credentials lane when the
     /// head carries others.
     pub(super) async fn publish_flags(&self) -> Result<(), String> {
-        let Some(usage) = self.usage.clone() else { return Ok(()) };
+        self.publish_flags_as("quota-service", "quota").await.map(|_| ())
+    }
+
+    /// [`Server::publish_flags`], audited as `who` doing `action`; the credentials version
+    /// that carries the flags as they are now (a new one if they changed).
+    pub(super) async fn publish_flags_as(&self, who: &str, action: &str) -> Result<u64, String> {
+        let Some(usage) = self.usage.clone() else { return Ok(0) };
         let now = unix_now();
         let live = blocking(&usage, move |u| u.live_flags(now)).await?;
         let one = self.publishing.lock().await;
         // No credentials published yet: the first version takes the flags.
         let Some(base) = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())? else {
-            return Ok(());
+            return Ok(0);
         };
         let (_, was) = Credentials::open(&base.bytes).map_err(|e| e.to_string())?;
         let mut held: Vec<QuotaFlag> = was.over_quota.iter().filter(|f| f.until > now).cloned().collect();
         held.sort();
         if held == live {
-            return Ok(());
+            return Ok(base.number);
         }
         let added: Vec<QuotaFlag> = live.iter().filter(|f| !was.over_quota.contains(f)).cloned().collect();
         let mut creds = was.clone();
@@ -96,8 +102,7 @@ impl Server {
         let note =
             added.iter().map(|f| format!("{} {} on {}", f.kind.as_str(), f.caller, f.product)).collect::<Vec<_>>();
         let note = format!("over quota: {}", if note.is_empty() { "flags lifted".to_owned() } else { note.join(", ") });
-        let change =
-            Change { kind: Lane::Credentials, content: &content, who: "quota-service", action: "quota", note: &note };
+        let change = Change { kind: Lane::Credentials, content: &content, who, action, note: &note };
         let (v, changed) = self.store.publish(&change).await.map_err(|e| e.to_string())?;
         if changed {
             let delta = CredentialsDelta { over_quota: added, ..CredentialsDelta::between(base.number, v.number) };
@@ -106,7 +111,7 @@ impl Server {
         }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);
-        Ok(())
+        Ok(v.number)
     }
 
     /// Keeps `delta` (from `base`, whose state is `was`, to `v`, whose state is `whole`)

@@ -2,6 +2,7 @@
 //! out (rows, totals, the export), each run on the usage store off the async workers.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -9,7 +10,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
 use postern_model::protocol::{self, UsageAck};
-use postern_model::usage::Window;
+use postern_model::usage::{CallerKind, Window};
 
 use super::role::Role;
 use super::state::{Body, Server, error, json, read_json};
@@ -118,6 +119,44 @@ impl Server {
             .map_err(|e| ApplyError::Unavailable(e.to_string()))??;
         self.quota.wake.notify_one();
         Ok(ack)
+    }
+
+    /// `POST /v1/usage/flags/lift?key=K|app=A[&product=P]`: the platform lifts a caller's
+    /// over-quota flags (audited as its token's name); the answer comes once every live
+    /// node runs credentials without them, or after `wait` naming the stale ones.
+    pub(super) async fn lift_flags(
+        &self,
+        who: &str,
+        caller: (String, CallerKind),
+        product: Option<String>,
+        wait: Duration,
+    ) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let now = postern_model::disk::unix_now();
+        let (name, kind) = caller.clone();
+        let lifted =
+            match tokio::task::spawn_blocking(move || store.lift_flags(&name, kind, product.as_deref(), now)).await {
+                Ok(Ok(l)) => l,
+                Ok(Err(e)) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            };
+        if lifted.is_empty() {
+            return error(StatusCode::NOT_FOUND, format!("{} {} has no live over-quota flag", kind.as_str(), caller.0));
+        }
+        let version = match self.publish_flags_as(who, "quota-lift").await {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
+        };
+        let (acked, stale) = self.wait_acks(version, wait).await;
+        json(
+            StatusCode::OK,
+            &serde_json::json!({
+                "lifted": lifted,
+                "credentials": {"version": version, "acked": acked, "stale": stale},
+            }),
+        )
     }
 
     /// Runs `f` on the usage store off the async workers.

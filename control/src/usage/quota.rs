@@ -176,6 +176,31 @@ impl UsageStore {
         rows.collect()
     }
 
+    /// Lifts the live over-quota flags of `caller` (a key id, or an app's `client_id` with
+    /// `kind` app), on `product` or on every product; returns the flags lifted. Its use
+    /// stays: the flag is not raised again in that period.
+    pub fn lift_flags(
+        &self,
+        caller: &str,
+        kind: CallerKind,
+        product: Option<&str>,
+        now: u64,
+    ) -> rusqlite::Result<Vec<QuotaFlag>> {
+        let lifted: Vec<QuotaFlag> = self
+            .live_flags(now)?
+            .into_iter()
+            .filter(|f| f.caller == caller && f.kind == kind && product.is_none_or(|p| f.product == p))
+            .collect();
+        let conn = self.lock();
+        for f in &lifted {
+            conn.execute(
+                "DELETE FROM over_quota WHERE caller = ?1 AND kind = ?2 AND product = ?3 AND until = ?4",
+                params![f.caller, f.kind.as_str(), f.product, sql_int(f.until)],
+            )?;
+        }
+        Ok(lifted)
+    }
+
     /// Quota events, oldest first: those after number `after`, at most `limit`; only the
     /// ones the webhook has not taken and whose next try is due at `due` when given.
     pub fn events(&self, after: u64, limit: usize, due: Option<u64>) -> rusqlite::Result<Vec<QuotaEvent>> {
