@@ -15,9 +15,34 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use postern_model::Pool;
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+/// Parses YAML text into `T`; on error, the field path (empty for the document itself)
+/// and the message without the path the YAML error repeats.
+pub fn parse_yaml<T: DeserializeOwned>(text: &str) -> Result<T, (String, String)> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize::<_, T>(de).map_err(|e| {
+        let field = e.path().to_string();
+        let field = if field == "." { String::new() } else { field };
+        let msg = e.into_inner().to_string();
+        // The YAML error repeats the enclosing path ("routes[0]: ..."); drop it.
+        let msg = match msg.split_once(": ") {
+            Some((head, rest)) if field.starts_with(head) && !head.contains(' ') => rest.to_owned(),
+            _ => msg,
+        };
+        (field, msg)
+    })
+}
+
+/// Parses a duration like `250ms`, `90s`, `15m` or `24h`: the one duration parser, for
+/// the repository's files, the CLI's flags and the key service's requests.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms, 90s, 15m or 24h: {e}"))
+}
 
 /// `platform/clusters.yaml`.
 #[derive(Debug, Deserialize)]
@@ -571,7 +596,7 @@ impl QuotaDoc {
                 Anchor::BillingDay(s[4..].parse().map_err(|_| format!("{s:?}: day-N takes a day 1 to 28"))?)
             }
             s if s.starts_with("every-") => {
-                let d = crate::keys::parse_duration(&s[6..]).map_err(|e| format!("{s:?}: {e}"))?;
+                let d = parse_duration(&s[6..]).map_err(|e| format!("{s:?}: {e}"))?;
                 Anchor::EverySeconds(d.as_secs())
             }
             s => return Err(format!("{s:?}: give utc-month, day-N or every-<duration>")),
@@ -747,4 +772,17 @@ pub struct DeprecationDoc {
     /// Documentation link.
     #[serde(default)]
     pub link: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("15m"), Ok(Duration::from_secs(900)));
+        assert!(parse_duration("soon").is_err());
+    }
 }

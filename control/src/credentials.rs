@@ -107,7 +107,7 @@ fn load_auth(root: &Path, errors: &mut Vec<String>) -> Option<AuthDoc> {
     if text.trim().is_empty() {
         return Some(AuthDoc::default());
     }
-    match crate::compile::parse_yaml::<AuthDoc>(&text) {
+    match crate::config::parse_yaml::<AuthDoc>(&text) {
         Ok(doc) => Some(doc),
         Err((field, msg)) => {
             if field.is_empty() {

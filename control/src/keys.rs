@@ -16,11 +16,6 @@ use serde::Serialize;
 
 use crate::credentials::{DENY_FILE, KEYS_FILE, parse_keys};
 
-/// Parses a duration like `24h`, `15m` or `90s`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 24h, 15m or 90s: {e}"))
-}
-
 /// Parses a priority class: `critical`, `standard`, `free` or `sheddable`.
 pub fn parse_priority(s: &str) -> Result<Priority, String> {
     Priority::parse(s).ok_or_else(|| format!("{s:?} is not a priority: use critical, standard, free or sheddable"))
@@ -589,10 +584,6 @@ mod tests {
 
     #[test]
     fn parsers() {
-        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
-        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(parse_duration("15m"), Ok(Duration::from_secs(900)));
-        assert!(parse_duration("soon").is_err());
         assert_eq!(parse_priority("sheddable"), Ok(Priority::Sheddable));
         assert!(parse_priority("urgent").is_err());
         assert_eq!(parse_alg("RS256"), Ok(Alg::RS256));

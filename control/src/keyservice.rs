@@ -197,7 +197,7 @@ fn change(repo: &Path, op: Op) -> anyhow::Result<serde_json::Value> {
         }
         Op::Rotate(id, b) => {
             let overlap = match &b.overlap {
-                Some(s) => keys::parse_duration(s).map_err(anyhow::Error::msg)?,
+                Some(s) => crate::config::parse_duration(s).map_err(anyhow::Error::msg)?,
                 None => Duration::from_secs(24 * 3600),
             };
             let r = keys::rotate_key(repo, &id, &b.new_id, overlap, env(b.test), now)?;

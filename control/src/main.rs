@@ -1,355 +1,29 @@
-//! `posternctl`: the control plane's command line.
+//! `posternctl`: the control plane's command line. Its commands and flags are in
+//! `cli.rs`; this runs them.
+
+mod cli;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::Parser;
 use postern_model::apikey::KeyEnv;
-use postern_model::credentials::{Alg, Credentials, Priority};
+use postern_model::credentials::Credentials;
 use postern_model::disk::unix_now;
-use posternctl::credentials::{CREDENTIALS_FILE, compile_credentials, publish_credentials};
-use posternctl::keys::{self, parse_alg, parse_duration, parse_priority};
+use posternctl::compile::RepoError;
+use posternctl::credentials::{CREDENTIALS_FILE, publish_credentials};
+use posternctl::keys;
 use posternctl::{out, outln};
+
+use crate::cli::{
+    Cli, Command, ControlArgs, FilterCommand, KeyCommand, Remote, SigningKeyCommand, TokenCommand, TraceWhich,
+    UsageAction, UsageQuery,
+};
 
 /// mimalloc, as in the node: compiling a large key table makes many small allocations.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-#[derive(Parser)]
-#[command(name = "posternctl", version, about = "Postern control plane")]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Compile a config repository into a snapshot file, and its credential state
-    /// (platform/auth.yaml, platform/keys.jsonl) into credentials.json beside it.
-    Compile {
-        /// The config repository (platform/ and teams/).
-        repo: PathBuf,
-        /// Where to write the snapshot.
-        #[arg(short, long)]
-        out: PathBuf,
-        /// Snapshot number (default: the previous one in `out`, plus one if changed).
-        #[arg(long)]
-        version: Option<u64>,
-    },
-    /// Check a config repository (snapshot and credentials) without writing anything.
-    Validate {
-        /// The config repository.
-        repo: PathBuf,
-    },
-    /// Show what publishing the repository would change against a snapshot (routes
-    /// added, changed and removed per team; clusters and plans), without writing anything.
-    Plan {
-        /// The config repository.
-        repo: PathBuf,
-        /// The snapshot running now (e.g. a node's snapshot.json).
-        #[arg(long)]
-        against: PathBuf,
-    },
-    /// Work with Wasm filters.
-    Filter {
-        #[command(subcommand)]
-        command: FilterCommand,
-    },
-    /// Manage API keys in a config repository (platform/keys.jsonl).
-    Key {
-        #[command(subcommand)]
-        command: KeyCommand,
-    },
-    /// JWT signing keys and tokens, for development and tests.
-    Token {
-        #[command(subcommand)]
-        command: TokenCommand,
-    },
-    /// Serve the control plane: publish versions from the repository into the store and
-    /// deliver them to nodes.
-    Serve {
-        /// The config repository.
-        repo: PathBuf,
-        /// Version store: a directory (embedded) or a postgres:// URL (one with a password
-        /// belongs in POSTERN_STORE, not in the process list).
-        #[arg(long, env = "POSTERN_STORE", hide_env_values = true)]
-        store: String,
-        /// Admin tokens (JSON list of {name, role, sha256}).
-        #[arg(long)]
-        tokens: PathBuf,
-        /// Listen address.
-        #[arg(long, default_value = "127.0.0.1:9400")]
-        listen: std::net::SocketAddr,
-        /// Time at each rollout stage (canary, 10 %, all) once its nodes run the new
-        /// snapshot; 0s delivers every snapshot to every node at once.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
-        dwell: std::time::Duration,
-        /// Canary nodes, when no node declares itself one (`postern --control-canary`).
-        #[arg(long, default_value_t = 1)]
-        canary_nodes: usize,
-        /// Responses a changed route needs on a side before it is compared.
-        #[arg(long, default_value_t = 50)]
-        rollout_min_requests: u64,
-        /// Largest rise of a changed route's 5xx rate on the new version (0.02 = 2 points).
-        #[arg(long, default_value_t = 0.02)]
-        rollout_max_5xx_increase: f64,
-        /// A changed route's p99 on the new version may be 2× the old one's or this much
-        /// slower, whichever is more.
-        #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
-        rollout_p99_slack: std::time::Duration,
-        /// The Ed25519 key every version is signed with (`posternctl signing-key new`);
-        /// default: `<store>/signing.key`, made on first start, for a directory store.
-        #[arg(long)]
-        signing_key: Option<PathBuf>,
-        /// Serve HTTPS with this certificate chain (PEM); needs --tls-key.
-        #[arg(long, requires = "tls_key")]
-        tls_cert: Option<PathBuf>,
-        /// The certificate's private key (PEM).
-        #[arg(long, requires = "tls_cert")]
-        tls_key: Option<PathBuf>,
-        /// Also write every credentials version, signed, to `<DIR>/credentials.json`: the
-        /// second revocation path nodes poll (`postern --credentials-dir`).
-        #[arg(long, value_name = "DIR")]
-        publish_dir: Option<PathBuf>,
-        /// The usage store (SQLite) nodes' windows are applied to; default
-        /// `<store>/usage.db` for a directory store, none for PostgreSQL (the intake then
-        /// answers 503 and nodes keep their windows spooled).
-        #[arg(long, value_name = "FILE")]
-        usage_db: Option<PathBuf>,
-        /// Post quota events (a caller passed 80 % or 100 % of its plan's quota) to this
-        /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer).
-        #[arg(long, value_name = "URL")]
-        quota_webhook: Option<String>,
-        /// Also consume nodes' usage windows from Kafka (`host:port,...`; nodes started
-        /// with the same --usage-kafka write them there), as a consumer group; the topic
-        /// is made if it is missing.
-        #[arg(long, value_name = "BROKERS")]
-        usage_kafka: Option<String>,
-        /// The usage topic.
-        #[arg(long, default_value = postern_model::usage::KAFKA_TOPIC, value_name = "TOPIC")]
-        usage_kafka_topic: String,
-        /// The consumer group (every quota service instance of a fleet joins it).
-        #[arg(long, default_value = "postern-usage", value_name = "GROUP")]
-        usage_kafka_group: String,
-        /// Partitions of the topic, when it is made here.
-        #[arg(long, default_value_t = 12, value_name = "N")]
-        usage_kafka_partitions: i32,
-        /// Replication factor of the topic, when it is made here.
-        #[arg(long, default_value_t = 1, value_name = "N")]
-        usage_kafka_replication: i32,
-        /// A librdkafka setting for the consumer (`security.protocol=SSL`, `sasl.username=…`);
-        /// repeat for more.
-        #[arg(long, value_name = "KEY=VALUE")]
-        usage_kafka_option: Vec<String>,
-    },
-    /// Usage per key, route and time, from the control plane's usage store; `reconcile`
-    /// and `export` close a billing period.
-    ///
-    /// `posternctl usage --key demo-partner --by route --last 1h` prints the last hour's
-    /// rows per route; `--chart` draws calls per minute instead, one sparkline per caller
-    /// and route with the minutes that had 4xx or 5xx marked below it, so a spike shows
-    /// without reading numbers.
-    #[command(args_conflicts_with_subcommands = true)]
-    Usage {
-        #[command(subcommand)]
-        action: Option<UsageAction>,
-        #[command(flatten)]
-        control: UsageControlArgs,
-        #[command(flatten)]
-        query: UsageQuery,
-    },
-    /// The control plane's signing key.
-    SigningKey {
-        #[command(subcommand)]
-        command: SigningKeyCommand,
-    },
-    /// Compile the repository on the control plane and publish what changed.
-    Publish {
-        #[command(flatten)]
-        control: ControlArgs,
-        /// Wait up to this many seconds for every live node to apply new credentials.
-        #[arg(long, default_value_t = 0)]
-        wait_acks: u64,
-        /// Wait up to this many seconds (at most 60) until the first stage's nodes serve
-        /// a new snapshot, and fail if they do not; 0 answers once it is published.
-        #[arg(long, default_value_t = 60)]
-        wait: u64,
-    },
-    /// Publish an earlier snapshot's contents as a new version, to every node at once.
-    Rollback {
-        #[command(flatten)]
-        control: ControlArgs,
-        /// The version whose contents to publish again.
-        #[arg(long)]
-        to: u64,
-        /// Wait up to this many seconds (at most 60) until every live node serves it, and
-        /// fail if one does not; 0 answers once it is published.
-        #[arg(long, default_value_t = 60)]
-        wait: u64,
-    },
-    /// Which nodes run which version.
-    Status {
-        #[command(flatten)]
-        control: ControlArgs,
-        /// Wait up to this many seconds until no rollout is in progress and every live
-        /// node runs the head, then show the status; fail if the fleet does not settle.
-        #[arg(long, default_value_t = 0)]
-        wait: u64,
-    },
-    /// Trace every request of one API key or OAuth app for a while, on every node (a
-    /// fast-lane change; the flag carries its expiry, so tracing turns itself off).
-    Trace {
-        #[command(flatten)]
-        control: ControlArgs,
-        #[command(flatten)]
-        which: TraceWhich,
-        /// For how long (e.g. 1h, 15m); at most a week.
-        #[arg(long = "for", default_value = "1h", value_parser = parse_duration, conflicts_with = "off")]
-        duration: Duration,
-        /// End the caller's tracing now.
-        #[arg(long)]
-        off: bool,
-        /// Wait up to this many seconds for every live node to run it.
-        #[arg(long, default_value_t = 5)]
-        wait_acks: u64,
-    },
-}
-
-#[derive(Args)]
-#[group(required = true, multiple = false)]
-struct TraceWhich {
-    /// An API key, by id.
-    #[arg(long)]
-    key: Option<String>,
-    /// An OAuth app, by `client_id`.
-    #[arg(long)]
-    app: Option<String>,
-}
-
-#[derive(Subcommand)]
-enum SigningKeyCommand {
-    /// Make a new key (written with mode 0600); prints the public key nodes pin
-    /// (`postern --control-key`).
-    New {
-        /// Where to write it.
-        out: PathBuf,
-    },
-    /// Print a key's public half.
-    Public {
-        /// The private key file.
-        key: PathBuf,
-    },
-}
-
-/// How to reach a serving control plane.
-/// `posternctl usage reconcile|export`.
-#[derive(Subcommand)]
-enum UsageAction {
-    /// Check a billing period (every node's windows, no number missing, the period over)
-    /// and mark it final; prints what keeps it from being final.
-    Reconcile {
-        #[command(flatten)]
-        control: ControlArgs,
-        /// The period, YYYY-MM.
-        #[arg(long)]
-        period: String,
-    },
-    /// A final period's billing lines: one JSON line per caller and product.
-    Export {
-        #[command(flatten)]
-        control: ControlArgs,
-        /// The period, YYYY-MM.
-        #[arg(long)]
-        period: String,
-    },
-}
-
-/// `posternctl usage`: which rows, and how to print them.
-#[derive(Args)]
-struct UsageQuery {
-    /// One caller: an API key's id or an OAuth app's client_id.
-    #[arg(long)]
-    key: Option<String>,
-    /// One API product.
-    #[arg(long)]
-    product: Option<String>,
-    /// From (Unix seconds, YYYY-MM-DD or RFC 3339; default: the month's start).
-    #[arg(long)]
-    from: Option<String>,
-    /// To, exclusive (default: now).
-    #[arg(long)]
-    to: Option<String>,
-    /// The range ending now: a whole number and s, m, h or d (90s, 30m, 1h, 2d).
-    #[arg(
-        long,
-        value_name = "DURATION",
-        value_parser = posternctl::usage::parse_last,
-        conflicts_with_all = ["from", "to"]
-    )]
-    last: Option<u64>,
-    /// Rows per route over the range, or per minute or day.
-    #[arg(long, default_value = "route", value_parser = ["route", "minute", "day"])]
-    by: String,
-    /// Calls per minute as a text chart per caller and route, with 4xx and 5xx minutes
-    /// marked (asks for minutes whatever --by says).
-    #[arg(long)]
-    chart: bool,
-    /// Print the answer's JSON instead of a table or chart.
-    #[arg(long)]
-    json: bool,
-}
-
-/// [`ControlArgs`] beside subcommands that bring their own: the token is checked when
-/// used, not by the parser.
-#[derive(Args)]
-struct UsageControlArgs {
-    /// Control plane URL.
-    #[arg(long, default_value = "http://127.0.0.1:9400")]
-    control: String,
-    /// Admin token (or POSTERN_TOKEN).
-    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
-    #[arg(long, env = "POSTERN_CONTROL_CA")]
-    control_ca: Option<PathBuf>,
-}
-
-impl UsageControlArgs {
-    fn required(self) -> anyhow::Result<ControlArgs> {
-        let Some(token) = self.token else {
-            anyhow::bail!("the control plane needs a token: --token or POSTERN_TOKEN");
-        };
-        Ok(ControlArgs { control: self.control, token, control_ca: self.control_ca })
-    }
-}
-
-#[derive(Args)]
-struct ControlArgs {
-    /// Control plane URL.
-    #[arg(long, default_value = "http://127.0.0.1:9400")]
-    control: String,
-    /// Admin token (or POSTERN_TOKEN).
-    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
-    token: String,
-    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
-    #[arg(long, env = "POSTERN_CONTROL_CA")]
-    control_ca: Option<PathBuf>,
-}
-
-/// A control plane to send a change to instead of editing a repository.
-#[derive(Args)]
-struct Remote {
-    /// Control plane URL: make the change through its key service.
-    #[arg(long)]
-    control: Option<String>,
-    /// Admin token (or POSTERN_TOKEN).
-    #[arg(long, env = "POSTERN_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// CA certificates (PEM) an `https://` control plane's certificate is checked against.
-    #[arg(long, env = "POSTERN_CONTROL_CA")]
-    control_ca: Option<PathBuf>,
-}
 
 impl Remote {
     /// POSTs `body` to `path`; returns the answer, or the control plane's errors.
@@ -387,215 +61,6 @@ fn report_acks(v: &serde_json::Value) {
         c["acked"].as_array().map_or(0, Vec::len),
         names("stale").filter(|s| !s.is_empty()).map(|s| format!("; stale: {s}")).unwrap_or_default()
     );
-}
-
-#[derive(Subcommand)]
-enum KeyCommand {
-    /// Create an API key: append its hash to platform/keys.jsonl and print the raw key,
-    /// once, on stdout. With --control, the control plane's key service does it and
-    /// answers once every live node can use the key.
-    New {
-        /// The config repository (or --control).
-        #[arg(required_unless_present = "control")]
-        repo: Option<PathBuf>,
-        #[command(flatten)]
-        remote: Remote,
-        /// Key id (not secret; sent to backends as x-auth-key-id).
-        #[arg(long)]
-        id: String,
-        /// The app the key belongs to.
-        #[arg(long)]
-        app: String,
-        /// The tenant that owns the app.
-        #[arg(long)]
-        tenant: String,
-        /// The plan (must be defined in the repository; checked by compile and validate).
-        #[arg(long)]
-        plan: String,
-        /// A granted scope (repeatable).
-        #[arg(long = "scope", value_name = "SCOPE")]
-        scopes: Vec<String>,
-        /// Priority class: critical, standard, free or sheddable.
-        #[arg(long, default_value = "standard", value_parser = parse_priority)]
-        priority: Priority,
-        /// Make an ak_test_ key instead of ak_live_.
-        #[arg(long)]
-        test: bool,
-    },
-    /// Replace a key with a new one (same app, tenant, plan, scopes and priority); the old
-    /// key keeps working for the overlap. Prints the new raw key, once, on stdout.
-    Rotate {
-        /// The config repository (or --control).
-        #[arg(required_unless_present = "control")]
-        repo: Option<PathBuf>,
-        #[command(flatten)]
-        remote: Remote,
-        /// The key to replace.
-        #[arg(long, value_name = "OLD")]
-        id: String,
-        /// The new key's id.
-        #[arg(long, value_name = "NEW")]
-        new_id: String,
-        /// How long the old key keeps working (e.g. 24h, 15m, 90s).
-        #[arg(long, default_value = "24h", value_parser = parse_duration)]
-        overlap: Duration,
-        /// Make the new key an ak_test_ key instead of ak_live_.
-        #[arg(long)]
-        test: bool,
-    },
-    /// Revoke a key, by id or by the raw key (e.g. one reported leaked).
-    Revoke {
-        /// The config repository (or --control).
-        #[arg(required_unless_present = "control")]
-        repo: Option<PathBuf>,
-        #[command(flatten)]
-        remote: Remote,
-        #[command(flatten)]
-        which: RevokeWhich,
-    },
-}
-
-#[derive(Args)]
-#[group(required = true, multiple = false)]
-struct RevokeWhich {
-    /// The key's id.
-    #[arg(long)]
-    id: Option<String>,
-    /// The raw key; `-` reads it from stdin (keeps it out of shell history).
-    #[arg(long, value_name = "RAW_KEY")]
-    key: Option<String>,
-}
-
-#[derive(Subcommand)]
-enum TokenCommand {
-    /// Generate a signing key pair: write the private key PEM to a new file (mode 0600) and
-    /// print the signing-key record to paste under `signing_keys:` in platform/auth.yaml.
-    /// ES256 makes a P-256 key, RS256 a 2048-bit RSA key.
-    Keygen {
-        /// Key id (the tokens' `kid` header).
-        #[arg(long)]
-        kid: String,
-        /// The issuer (`iss`) whose tokens the key signs.
-        #[arg(long)]
-        issuer: String,
-        /// ES256 or RS256.
-        #[arg(long, default_value = "ES256", value_parser = parse_alg)]
-        alg: Alg,
-        /// Where to write the private key (PKCS#8 PEM); never overwritten.
-        #[arg(long, value_name = "FILE")]
-        private_out: PathBuf,
-        /// Also write the public key (SPKI PEM) here, e.g. for `public_key_file:`.
-        #[arg(long, value_name = "FILE")]
-        public_out: Option<PathBuf>,
-    },
-    /// Sign an access token with a private key and print it. DEVELOPMENT ONLY: production
-    /// tokens come from the identity provider, and the private key must not sit on a
-    /// developer machine.
-    Mint {
-        /// The private key (PKCS#8 PEM, as written by `token keygen`).
-        #[arg(long, value_name = "FILE")]
-        key: PathBuf,
-        /// Key id (`kid` header).
-        #[arg(long)]
-        kid: String,
-        /// `iss`.
-        #[arg(long)]
-        issuer: String,
-        /// `aud`.
-        #[arg(long)]
-        audience: String,
-        /// `sub`: the user.
-        #[arg(long)]
-        sub: String,
-        /// `client_id`: the OAuth app.
-        #[arg(long)]
-        client_id: String,
-        /// `scope`: space-separated scopes.
-        #[arg(long)]
-        scope: Option<String>,
-        /// Lifetime (e.g. 15m); the gateway refuses tokens living longer than
-        /// jwt.max_lifetime_s (default 1h).
-        #[arg(long, default_value = "15m", value_parser = parse_duration)]
-        ttl: Duration,
-        /// ES256 or RS256 (the key's algorithm).
-        #[arg(long, default_value = "ES256", value_parser = parse_alg)]
-        alg: Alg,
-        /// `jti` (default: 16 random bytes, hex).
-        #[arg(long)]
-        jti: Option<String>,
-    },
-    /// Revoke tokens: one (by jti), or every token of a user (sub) or an app (client_id)
-    /// issued before now. Appends to platform/deny.jsonl, or with --control goes through
-    /// the control plane and answers once every live node applies it.
-    Revoke {
-        /// The config repository (or --control).
-        #[arg(required_unless_present = "control")]
-        repo: Option<PathBuf>,
-        #[command(flatten)]
-        remote: Remote,
-        #[command(flatten)]
-        which: DenyWhich,
-    },
-}
-
-#[derive(Args)]
-#[group(required = true, multiple = false)]
-struct DenyWhich {
-    /// One token's `jti`.
-    #[arg(long)]
-    jti: Option<String>,
-    /// A user: every token with this `sub` issued before now.
-    #[arg(long)]
-    sub: Option<String>,
-    /// An app: every token with this `client_id` issued before now.
-    #[arg(long)]
-    client_id: Option<String>,
-}
-
-#[derive(Subcommand)]
-enum FilterCommand {
-    /// Run a filter component on one request in the real sandbox and print the decision
-    /// and its cost as JSON (exit 1 if the filter failed).
-    Run {
-        /// The component (`.wasm`).
-        module: PathBuf,
-        /// The filter's config, as JSON.
-        #[arg(long, default_value = "null")]
-        config: String,
-        /// Limits, as JSON (e.g. `{"fuel": 1000000}`); defaults for the rest.
-        #[arg(long, default_value = "{}")]
-        limits: String,
-        /// Method.
-        #[arg(long, default_value = "GET")]
-        method: String,
-        /// Path, optionally with `?query`.
-        #[arg(long, default_value = "/")]
-        path: String,
-        /// A header, `name: value` (repeatable).
-        #[arg(long = "header", short = 'H')]
-        headers: Vec<String>,
-        /// A body: also runs the body phase.
-        #[arg(long)]
-        body: Option<String>,
-    },
-    /// What each Wasm filter on a route costs on a node: calls by outcome, fuel and
-    /// duration percentiles, refused answers by rule, quarantines and reruns, read from
-    /// the node's admin endpoint.
-    Cost {
-        /// The route, `team/name`.
-        #[arg(long)]
-        route: String,
-        /// The node's admin listener.
-        #[arg(long, default_value = "http://127.0.0.1:9901")]
-        admin: String,
-        /// Over this window (read twice, this far apart, e.g. 30s); default: since the
-        /// node started.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        window: Option<std::time::Duration>,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
 }
 
 /// The admin endpoint's metrics page.
@@ -667,15 +132,13 @@ fn credentials_out(out: &Path) -> anyhow::Result<PathBuf> {
 /// The snapshot and the credential state of `repo`, or the exit code after printing
 /// every error.
 fn compile_all(repo: &Path) -> Result<(posternctl::compile::Compiled, Credentials), ExitCode> {
-    let compiled = posternctl::compile::compile(repo).map_err(|rejected| {
-        eprint!("{rejected}");
+    posternctl::compile::compile_repo(repo).map_err(|e| {
+        match e {
+            RepoError::Rejected(rejected) => eprint!("{rejected}"),
+            RepoError::Credentials(errors) => print_credential_errors(&errors),
+        }
         ExitCode::from(1)
-    })?;
-    let creds = compile_credentials(repo, &compiled.snapshot.plans).map_err(|errors| {
-        print_credential_errors(&errors);
-        ExitCode::from(1)
-    })?;
-    Ok((compiled, creds))
+    })
 }
 
 fn compile(repo: &Path, out: &Path, version: Option<u64>) -> ExitCode {
@@ -973,6 +436,16 @@ fn main() -> ExitCode {
         }
         Command::Usage { action: Some(UsageAction::Reconcile { control, period }), .. } => {
             report(call(&control, "POST", &format!("/v1/usage/reconcile?period={period}")))
+        }
+        Command::Usage { action: Some(UsageAction::Lift { control, key, app, product }), .. } => {
+            let mut query = match (key, app) {
+                (Some(k), _) => format!("key={}", posternctl::usage::query_escape(&k)),
+                (None, a) => format!("app={}", posternctl::usage::query_escape(&a.unwrap_or_default())),
+            };
+            if let Some(p) = product {
+                query.push_str(&format!("&product={}", posternctl::usage::query_escape(&p)));
+            }
+            report(call(&control, "POST", &format!("/v1/usage/flags/lift?{query}")))
         }
         Command::Usage { action: Some(UsageAction::Export { control, period }), .. } => {
             report(usage_export(&control, &period))

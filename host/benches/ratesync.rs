@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use postern::ratesync::{SyncSettings, start};
+use postern::node::ratesync::{SyncSettings, start};
 use postern_builtin_filters::ratelimit::{Limit, Limiter};
 
 const KEYS: u64 = 100_000;

@@ -1,29 +1,23 @@
 //! Postern's data plane. A stateless proxy that serves every request from one immutable
 //! snapshot held in memory; the only network hop it adds is the one to the backend.
 //!
-//! Modules follow the request: [`server`] accepts connections per pool, [`proxy`] runs
-//! the request path over the [`snapshot`] on the [`canon`]ical request (routes from `postern-router`, filters from the
-//! filter contract), [`body`] streams bodies, [`error`] classifies failures by origin,
-//! [`respond`] is the one place errors become responses, [`metrics`] and [`admin`] make it
-//! observable. [`live`] holds the node's live state and its copies on disk; versions reach
-//! it from files (the watcher in [`server`]) or from the control plane
-//! ([`control_client`]).
+//! Three rooms, named for what lives there:
+//!
+//! - [`node`]: the process — listeners and connection caps, the admin listener and the
+//!   node's metrics exposition, the file watcher and the control plane's client that
+//!   bring versions to its [`node::live`] state, the rate sync, the shedding tick.
+//! - [`request`]: one request, phase by phase — framing, the canonical request, routing
+//!   over the [`snapshot`] and the chain of filters, forwarding, compression, and the one
+//!   ending where errors become responses ([`request::respond`]).
+//! - [`cluster`]: a backend cluster on this node — its hosts' pools and connectors, the
+//!   choice of host, its breaker, retry budget and cap, and the shedding inputs.
+//!
+//! Beside them: the [`gateway`] every request reads, the compiled [`snapshot`], and the
+//! counters in [`metrics`].
 
-pub mod admin;
-pub mod body;
-pub mod canon;
-pub mod compress;
-pub mod control_client;
-pub mod error;
-pub mod forwarded;
-pub mod framing;
-pub mod headers;
-pub mod live;
+pub mod cluster;
+pub mod gateway;
 pub mod metrics;
-pub mod proxy;
-pub mod ratesync;
-pub mod respond;
-pub mod server;
-pub mod shedding;
+pub mod node;
+pub mod request;
 pub mod snapshot;
-pub mod upstream;

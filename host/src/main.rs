@@ -1,5 +1,5 @@
 //! `postern`: the data plane binary. Parses flags, sets up logging and the runtime, and
-//! hands over to [`postern::server::run`].
+//! hands over to [`postern::node::server::run`].
 
 use std::process::ExitCode;
 
@@ -11,7 +11,7 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let args = postern::server::Args::parse();
+    let args = postern::node::args::Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("POSTERN_LOG").unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
@@ -35,7 +35,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(postern::server::run(args)) {
+    match rt.block_on(postern::node::server::run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("postern: {e:#}");

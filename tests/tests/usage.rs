@@ -513,3 +513,119 @@ async fn a_node_reports_its_own_counts_of_a_month_once_it_is_complete() {
     assert_eq!(state["counters"]["periods"][0]["reported"], true, "{state}");
     drop(node);
 }
+
+/// A window of `node` as a node sends it: `ok` billable calls of key `caller`.
+fn forged_window(node: &str, seq: u64, start: u64, caller: &str, ok: u64) -> serde_json::Value {
+    let mut latency = vec![0u64; postern_model::usage::LATENCY_BUCKETS];
+    latency[0] = ok;
+    serde_json::json!({
+        "node": node, "seq": seq, "start": start,
+        "rows": [{"caller": caller, "kind": "key", "product": "search", "route": "t/search",
+                  "status": [0, ok, 0, 0, 0], "latency": latency, "latency_us": 500 * ok}],
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_token_cannot_report_calls_no_node_could_have_counted() {
+    let Fleet { _echo, repo, work, cp } = fleet();
+    repo.write(
+        "platform/plans.yaml",
+        "scopes: []\nproducts: [search]\nplans:\n  capped: { products: [search], quota: { monthly: 1000, mode: hard } }\n",
+    );
+    let victim = new_key(repo.path(), "victim", "app1", "acme", "capped", &[]);
+    ctl(&cp, &["publish"]);
+    let node = start_node(&cp.url, &work.path().join("n0"), "node-0");
+    wait_for("the node to take the key", Duration::from_secs(30), async || {
+        call(&node, &victim, 200).await == StatusCode::OK
+    })
+    .await;
+    let platform_auth = format!("Bearer {PLATFORM_TOKEN}");
+    let read = async |path: &str| get(&format!("{}{path}", cp.url), &[("authorization", &platform_auth)]).await.json();
+    let batch = |w: serde_json::Value| serde_json::json!({ "windows": [w] }).to_string();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let now = now - now % 10;
+
+    // One honest window of a node the token speaks for, then the state to compare with.
+    let (status, ack) =
+        post_usage(&cp, Some(NODE_TOKEN), batch(forged_window("node-z", 1, now - 30, "victim", 2))).await;
+    assert_eq!(status, StatusCode::OK, "{ack}");
+    // node-0's own window with the one call above, too: nothing else is on its way.
+    wait_for("the calls so far billed", Duration::from_secs(60), async || {
+        billed(&cp).get("victim").copied() == Some(3)
+    })
+    .await;
+    let before = (billed(&cp), read("/v1/usage/flags").await, ctl(&cp, &["status"])["credentials"].clone());
+    assert_eq!(before.1["over_quota"], serde_json::json!([]), "{}", before.1);
+
+    // The year 10000 with a million calls (what locked a customer out for 8,000 years), a
+    // window back-dated behind the node's own, and one numbered far ahead: each refused
+    // naming its rule, and none changes a total, a flag or the credentials nodes run.
+    for (window, rule) in [
+        (forged_window("node-z", 2, 253_402_300_800, "victim", 1_000_000), "future_window"),
+        (forged_window("node-z", 2, now - 600, "victim", 1_000_000), "time_order"),
+        (forged_window("node-z", 1_000_000, now - 20, "victim", 1_000_000), "seq_gap"),
+    ] {
+        let (status, body) = post_usage(&cp, Some(NODE_TOKEN), batch(window)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body["error"].as_str().unwrap_or_default().contains(&format!("({rule})")), "{body}");
+    }
+    // A row counting more than a node can answer in a window is out of shape.
+    let (status, body) =
+        post_usage(&cp, Some(NODE_TOKEN), batch(forged_window("node-z", 2, now - 20, "victim", 1 << 40))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["error"].as_str().unwrap_or_default().contains("(row_calls)"), "{body}");
+    let after = (billed(&cp), read("/v1/usage/flags").await, ctl(&cp, &["status"])["credentials"].clone());
+    assert_eq!(after, before, "a refused window changed a total, a flag or the credentials");
+    // The victim is served; the refusals are listed per node and rule.
+    assert_eq!(call(&node, &victim, 200).await, StatusCode::OK);
+    let refusals = read("/v1/usage/refusals").await;
+    let counted: Vec<(String, String, u64)> = refusals["refusals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["node"].as_str().unwrap().to_owned(),
+                r["rule"].as_str().unwrap().to_owned(),
+                r["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want: Vec<(String, String, u64)> = ["future_window", "row_calls", "seq_gap", "time_order"]
+        .iter()
+        .map(|rule| ("node-z".to_owned(), (*rule).to_owned(), 1))
+        .collect();
+    assert_eq!(counted, want, "{refusals}");
+    // The node's own windows are still taken.
+    wait_for("the node's windows billed", Duration::from_secs(60), async || {
+        billed(&cp).get("victim").copied().unwrap_or(0) > before.0.get("victim").copied().unwrap_or(0)
+    })
+    .await;
+
+    // Honest use past the hard quota flags the key on every node; the platform lifts
+    // the flag (audited) and the key is served again once the lift answers.
+    let (status, ack) =
+        post_usage(&cp, Some(NODE_TOKEN), batch(forged_window("node-z", 2, now - 20, "victim", 1_000))).await;
+    assert_eq!(status, StatusCode::OK, "{ack}");
+    wait_for("the key refused over its quota", Duration::from_secs(60), async || {
+        call(&node, &victim, 200).await == StatusCode::TOO_MANY_REQUESTS
+    })
+    .await;
+    let flags = read("/v1/usage/flags").await;
+    assert_eq!(flags["over_quota"][0]["caller"], "victim", "{flags}");
+    let lift = ctl(&cp, &["usage", "lift", "--key", "victim"]);
+    assert_eq!(lift["lifted"][0]["caller"], "victim", "{lift}");
+    assert_eq!(lift["credentials"]["acked"], serde_json::json!(["node-0"]), "{lift}");
+    assert_eq!(call(&node, &victim, 200).await, StatusCode::OK);
+    assert_eq!(read("/v1/usage/flags").await["over_quota"], serde_json::json!([]));
+    let audit = read("/v1/audit").await;
+    let last = audit.as_array().unwrap().last().unwrap().clone();
+    assert_eq!((last["action"].as_str(), last["who"].as_str()), (Some("quota-lift"), Some("alice")), "{last}");
+    // Lifting what is not flagged says so.
+    let out = Command::new(bin("posternctl"))
+        .args(["usage", "lift", "--key", "victim", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no live over-quota flag"), "{out:?}");
+}

@@ -21,6 +21,22 @@ pub const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_MS.len() + 1;
 /// Rows a window may hold at most (a node's 10 s of distinct callers × routes).
 pub const MAX_ROWS: usize = 1 << 20;
 
+/// Calls one row of a window may count at most: more than a node can answer for one
+/// caller on one route in 10 s (~430 M a second). With it, a minute's row of the usage
+/// store (6 windows of each node) stays far below `i64::MAX` for any fleet under
+/// ~350 M nodes.
+pub const MAX_ROW_CALLS: u64 = 1 << 32;
+
+/// The sum of one row's latencies at most, in microseconds (~9 years): with
+/// [`MAX_ROW_CALLS`] the figures a minute's row adds up stay below `i64::MAX` for any
+/// fleet under ~5,000 nodes (PostgreSQL and SQLite refuse or widen beyond it; the store
+/// refuses a total that would overflow).
+pub const MAX_ROW_LATENCY_US: u64 = 1 << 48;
+
+/// Sequence numbers end here: a node numbering ten windows a second would need ~900
+/// years to reach it, and every sum and run of numbers stays far from `u64::MAX`.
+pub const MAX_SEQ: u64 = 1 << 48;
+
 /// The usage stream's Kafka topic unless told otherwise.
 pub const KAFKA_TOPIC: &str = "postern.usage";
 
@@ -162,13 +178,15 @@ impl Row {
 /// Why a window was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum WindowError {
-    /// Something in it is out of shape.
-    #[error("usage window {node}/{seq}: {why}")]
+    /// Something in it is out of shape, or more than a node could have counted.
+    #[error("usage window {node}/{seq} refused ({rule}): {why}")]
     Invalid {
         /// The node it claims.
         node: String,
         /// Its sequence number.
         seq: u64,
+        /// The rule it broke, a stable name (`shape`, `row_calls`, …).
+        rule: &'static str,
         /// What is wrong.
         why: String,
     },
@@ -219,14 +237,23 @@ impl Window {
         self.rows.first().map(|r| format!("{}:{}", r.kind.as_str(), r.caller))
     }
 
-    /// Checks what JSON cannot: the sequence, alignment, row shapes and sums.
+    /// Checks what JSON cannot: the sequence, alignment, row shapes and sums, and that
+    /// no row counts more than a node could ([`MAX_ROW_CALLS`], [`MAX_ROW_LATENCY_US`]).
+    /// What depends on the time or on the node's earlier windows is the usage store's
+    /// to check.
     pub fn check(&self) -> Result<(), WindowError> {
-        let bad = |why: String| WindowError::Invalid { node: self.node.clone(), seq: self.seq, why };
+        let refuse = |rule: &'static str, why: String| WindowError::Invalid {
+            node: self.node.clone(),
+            seq: self.seq,
+            rule,
+            why,
+        };
+        let bad = |why: String| refuse("shape", why);
         if self.node.is_empty() || self.node.len() > 128 {
             return Err(bad("node must be 1 to 128 bytes".into()));
         }
-        if self.seq == 0 {
-            return Err(bad("seq starts at 1".into()));
+        if self.seq == 0 || self.seq > MAX_SEQ {
+            return Err(refuse("seq_range", format!("seq is 1 to {MAX_SEQ}")));
         }
         if self.parts == 0 || self.part >= self.parts || self.parts as usize > MAX_ROWS {
             return Err(bad(format!("part {} of {}: give 0 <= part < parts <= {MAX_ROWS}", self.part, self.parts)));
@@ -254,8 +281,23 @@ impl Window {
                 (Some(c), Some(t)) if c == t && c > 0 => {}
                 _ => return Err(bad(format!("row {i}: the status counts and the latency histogram disagree"))),
             }
+            if calls.is_some_and(|c| c > MAX_ROW_CALLS) {
+                return Err(refuse("row_calls", format!("row {i}: more than {MAX_ROW_CALLS} calls in one window")));
+            }
+            if r.latency_us > MAX_ROW_LATENCY_US {
+                return Err(refuse("row_latency", format!("row {i}: latencies over {MAX_ROW_LATENCY_US} us in all")));
+            }
         }
         Ok(())
+    }
+}
+
+impl WindowError {
+    /// The rule it names.
+    pub fn rule(&self) -> &'static str {
+        match self {
+            WindowError::Invalid { rule, .. } => rule,
+        }
     }
 }
 
@@ -313,8 +355,8 @@ impl NodeCounters {
         if parse_month(&self.period).is_none() {
             return Err(format!("{what}: period must be YYYY-MM"));
         }
-        if self.through == 0 {
-            return Err(format!("{what}: through is the last number spooled, from 1"));
+        if self.through == 0 || self.through > MAX_SEQ {
+            return Err(format!("{what}: through is the last number spooled, 1 to {MAX_SEQ}"));
         }
         if self.rows.len() > MAX_ROWS {
             return Err(format!("{what}: {} rows, at most {MAX_ROWS}", self.rows.len()));
@@ -336,8 +378,10 @@ impl NodeCounters {
         if self.unavailable.len() > MAX_UNAVAILABLE {
             return Err(format!("{what}: {} unavailable runs, at most {MAX_UNAVAILABLE}", self.unavailable.len()));
         }
-        if let Some((from, to)) = self.unavailable.iter().find(|(from, to)| *from == 0 || from > to) {
-            return Err(format!("{what}: unavailable run {from}..{to}: give 1 <= from <= to"));
+        if let Some((from, to)) =
+            self.unavailable.iter().find(|(from, to)| *from == 0 || from > to || *to > self.through)
+        {
+            return Err(format!("{what}: unavailable run {from}..{to}: give 1 <= from <= to <= through"));
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, Full};
 use postern_model::credentials::{Credentials, CredentialsDelta, DeltaDoc, QuotaFlag};
 use postern_model::disk::unix_now;
 
-use super::{DELTAS_KEPT, Server};
+use super::state::{DELTAS_KEPT, QuotaService, Server};
 use crate::store::{Change, Lane, Version};
 use crate::usage::{QuotaEvent, Quotas, UsageStore};
 
@@ -30,20 +30,6 @@ const RECONCILE_FIRST: Duration = Duration::from_secs(60);
 const RECONCILE_EVERY: Duration = Duration::from_secs(3600);
 /// The longest wait between two deliveries of one event.
 const WEBHOOK_MAX_BACKOFF_S: u64 = 300;
-
-/// Quotas compiled as of (snapshot head, credentials head).
-type QuotaCache = Option<((u64, u64), Arc<Quotas>)>;
-
-/// The quota service's state in a server.
-#[derive(Debug, Default)]
-pub(super) struct QuotaService {
-    /// The quotas as of (snapshot head, credentials head).
-    quotas: std::sync::Mutex<QuotaCache>,
-    /// Woken after every applied batch.
-    pub(super) wake: tokio::sync::Notify,
-    /// Where quota events are posted.
-    pub(super) webhook: Option<String>,
-}
 
 impl QuotaService {
     /// A service posting events to `webhook`, if given.
@@ -89,19 +75,25 @@ impl Server {
     /// Publishes the usage store's live over-quota flags on the credentials lane when the
     /// head carries others.
     pub(super) async fn publish_flags(&self) -> Result<(), String> {
-        let Some(usage) = self.usage.clone() else { return Ok(()) };
+        self.publish_flags_as("quota-service", "quota").await.map(|_| ())
+    }
+
+    /// [`Server::publish_flags`], audited as `who` doing `action`; the credentials version
+    /// that carries the flags as they are now (a new one if they changed).
+    pub(super) async fn publish_flags_as(&self, who: &str, action: &str) -> Result<u64, String> {
+        let Some(usage) = self.usage.clone() else { return Ok(0) };
         let now = unix_now();
         let live = blocking(&usage, move |u| u.live_flags(now)).await?;
         let one = self.publishing.lock().await;
         // No credentials published yet: the first version takes the flags.
         let Some(base) = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())? else {
-            return Ok(());
+            return Ok(0);
         };
         let (_, was) = Credentials::open(&base.bytes).map_err(|e| e.to_string())?;
         let mut held: Vec<QuotaFlag> = was.over_quota.iter().filter(|f| f.until > now).cloned().collect();
         held.sort();
         if held == live {
-            return Ok(());
+            return Ok(base.number);
         }
         let added: Vec<QuotaFlag> = live.iter().filter(|f| !was.over_quota.contains(f)).cloned().collect();
         let mut creds = was.clone();
@@ -110,8 +102,7 @@ impl Server {
         let note =
             added.iter().map(|f| format!("{} {} on {}", f.kind.as_str(), f.caller, f.product)).collect::<Vec<_>>();
         let note = format!("over quota: {}", if note.is_empty() { "flags lifted".to_owned() } else { note.join(", ") });
-        let change =
-            Change { kind: Lane::Credentials, content: &content, who: "quota-service", action: "quota", note: &note };
+        let change = Change { kind: Lane::Credentials, content: &content, who, action, note: &note };
         let (v, changed) = self.store.publish(&change).await.map_err(|e| e.to_string())?;
         if changed {
             let delta = CredentialsDelta { over_quota: added, ..CredentialsDelta::between(base.number, v.number) };
@@ -120,7 +111,7 @@ impl Server {
         }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);
-        Ok(())
+        Ok(v.number)
     }
 
     /// Keeps `delta` (from `base`, whose state is `was`, to `v`, whose state is `whole`)

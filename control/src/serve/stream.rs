@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -26,7 +25,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::Headers as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
-use super::Server;
+use super::state::{Server, StreamStats};
 use crate::usage::ApplyError;
 
 /// Messages applied in one transaction at most.
@@ -51,18 +50,6 @@ pub struct UsageKafka {
     pub replication: i32,
     /// Further librdkafka settings, applied last.
     pub options: Vec<(String, String)>,
-}
-
-/// What the consumer did, for `GET /v1/usage/stream`.
-#[derive(Debug, Default)]
-pub(super) struct StreamStats {
-    running: std::sync::atomic::AtomicBool,
-    consumed: AtomicU64,
-    applied: AtomicU64,
-    duplicates: AtomicU64,
-    rejected: AtomicU64,
-    batches: AtomicU64,
-    last_error: Mutex<Option<String>>,
 }
 
 impl StreamStats {
@@ -205,7 +192,8 @@ impl Server {
                     self.stream.duplicates.fetch_add(ack.duplicates, Ordering::Relaxed);
                     return;
                 }
-                Err(ApplyError::Conflict { .. }) => break,
+                // A part the store will never take: find it alone below.
+                Err(ApplyError::Conflict { .. } | ApplyError::Refused(_)) => break,
                 Err(e) => {
                     self.stream.failed(e.to_string());
                     tokio::time::sleep(backoff).await;
@@ -223,7 +211,7 @@ impl Server {
                         self.stream.duplicates.fetch_add(ack.duplicates, Ordering::Relaxed);
                         break;
                     }
-                    Err(e @ ApplyError::Conflict { .. }) => {
+                    Err(e @ (ApplyError::Conflict { .. } | ApplyError::Refused(_))) => {
                         self.stream.rejected.fetch_add(1, Ordering::Relaxed);
                         self.stream.failed(e.to_string());
                         break;

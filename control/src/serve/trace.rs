@@ -13,7 +13,7 @@ use postern_model::disk::unix_now;
 use postern_model::usage::CallerKind;
 use serde::Deserialize;
 
-use super::{Body, Server, error, json};
+use super::state::{Body, Server, error, json};
 use crate::store::{Change, Lane};
 
 /// The longest a debug trace may run: a week.

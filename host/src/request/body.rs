@@ -273,7 +273,7 @@ pub enum ResponseBody {
         /// Bounds the wait for each frame.
         stall: Stall,
         /// The place in the cluster's cap.
-        permit: Option<crate::upstream::Permit>,
+        permit: Option<postern_protect::Permit>,
     },
     /// Made by the gateway (problem+json, admin pages).
     Full(Option<Bytes>),
@@ -321,7 +321,7 @@ impl Drop for Observed {
 #[derive(Debug)]
 pub struct Compressing {
     inner: ResponseBody,
-    encoder: Option<crate::compress::Encoder>,
+    encoder: Option<crate::request::compress::Encoder>,
     trailers: Option<http::HeaderMap>,
 }
 
@@ -334,8 +334,8 @@ impl ResponseBody {
     }
 
     /// This body compressed with `coding` as it streams.
-    pub fn compressed(self, coding: crate::compress::Coding) -> Result<ResponseBody, std::io::Error> {
-        let encoder = crate::compress::Encoder::new(coding)?;
+    pub fn compressed(self, coding: crate::request::compress::Coding) -> Result<ResponseBody, std::io::Error> {
+        let encoder = crate::request::compress::Encoder::new(coding)?;
         Ok(ResponseBody::Compressed(Box::new(Compressing { inner: self, encoder: Some(encoder), trailers: None })))
     }
 }
@@ -401,7 +401,7 @@ impl Body for ResponseBody {
                     Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
                     Poll::Ready(Some(Ok(frame))) => frame,
                     Poll::Ready(None) => {
-                        let tail = c.encoder.take().map(crate::compress::Encoder::finish);
+                        let tail = c.encoder.take().map(crate::request::compress::Encoder::finish);
                         return Poll::Ready(tail.map(|t| t.map(Frame::data).map_err(ResponseBodyError::from)));
                     }
                 };
@@ -413,7 +413,7 @@ impl Body for ResponseBody {
                     },
                     Err(frame) => {
                         c.trailers = frame.into_trailers().ok();
-                        let tail = c.encoder.take().map(crate::compress::Encoder::finish);
+                        let tail = c.encoder.take().map(crate::request::compress::Encoder::finish);
                         return Poll::Ready(tail.map(|t| t.map(Frame::data).map_err(ResponseBodyError::from)));
                     }
                 }

@@ -7,8 +7,8 @@ use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Response, StatusCode};
 use postern_filter_contract::{Problem, Reply};
 
-use crate::body::ResponseBody;
-use crate::error::ProxyError;
+use crate::request::body::ResponseBody;
+use crate::request::error::ProxyError;
 use postern_validate::{DecodeError, Refusal};
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");

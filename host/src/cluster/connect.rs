@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::body::UpstreamBody;
+use crate::request::body::UpstreamBody;
 
 /// How long a connection may wait idle in its pool before it is closed.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -479,7 +479,7 @@ fn build(
         builder.enable_http1().wrap_connector(connector)
     };
     let mut h1 = http1::Builder::new();
-    // As the listeners' (`server::http_builder`): a backend connection's read buffer
+    // As the listeners' (`node::listen::http_builder`): a backend connection's read buffer
     // stops at 64 KiB instead of hyper's ~400 KiB, so a large response streams through
     // in small chunks.
     h1.max_buf_size(64 * 1024);
@@ -491,27 +491,6 @@ fn build(
         h2
     });
     Ok(Client { connector, h1, h2 })
-}
-
-/// A request's place in its cluster's cap on requests in flight; given back on drop.
-#[derive(Debug)]
-pub struct Permit(Arc<AtomicU32>);
-
-impl Permit {
-    /// A place under `max` in `gate`, or `None` when the cluster is at its cap.
-    pub fn take(gate: &Arc<AtomicU32>, max: u32) -> Option<Permit> {
-        if gate.fetch_add(1, Ordering::Relaxed) >= max {
-            gate.fetch_sub(1, Ordering::Relaxed);
-            return None;
-        }
-        Some(Permit(gate.clone()))
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]

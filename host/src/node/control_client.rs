@@ -26,8 +26,8 @@ use postern_model::protocol::{self, Ack, Lane, Poll};
 use postern_model::report::{Report, Watch};
 use postern_model::sign::Trust;
 
-use crate::live;
-use crate::proxy::Gateway;
+use crate::gateway::Gateway;
+use crate::node::live;
 use crate::snapshot::Builder;
 
 /// Where the control plane is and who this node is.

@@ -8,8 +8,8 @@ use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
-use crate::body::ResponseBody;
-use crate::proxy::Gateway;
+use crate::gateway::Gateway;
+use crate::request::body::ResponseBody;
 
 fn text(status: StatusCode, content_type: &'static str, body: impl Into<bytes::Bytes>) -> Response<ResponseBody> {
     let mut r = Response::new(ResponseBody::full(body));
@@ -56,21 +56,21 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
         }
         "/metrics" => {
             let mut out = gw.metrics.render();
-            crate::metrics::render_upstreams(&mut out, &gw.live.load().upstreams);
-            crate::metrics::render_shed(&mut out, &gw.shed, &gw.admission, &gw.live.load().upstreams);
-            crate::metrics::render_auth(&mut out, &gw.auth.stats);
+            crate::node::exposition::render_upstreams(&mut out, &gw.live.load().upstreams);
+            crate::node::exposition::render_shed(&mut out, &gw.shed, &gw.admission, &gw.live.load().upstreams);
+            crate::node::exposition::render_auth(&mut out, &gw.auth.stats);
             if let Some(s) = &gw.ratesync {
-                crate::metrics::render_ratesync(&mut out, s);
+                crate::node::exposition::render_ratesync(&mut out, s);
             }
             if let Some(u) = &gw.usage {
-                crate::metrics::render_usage(&mut out, u);
-                crate::metrics::render_top_callers(&mut out, &u.top_callers());
+                crate::node::exposition::render_usage(&mut out, u);
+                crate::node::exposition::render_top_callers(&mut out, &u.top_callers());
             }
             if let Some(log) = &gw.access_log {
-                crate::metrics::render_access_log(&mut out, log);
+                crate::node::exposition::render_access_log(&mut out, log);
             }
             if let Some(tracer) = &gw.tracer {
-                crate::metrics::render_traces(&mut out, tracer);
+                crate::node::exposition::render_traces(&mut out, tracer);
             }
             text(StatusCode::OK, "text/plain; version=0.0.4", out)
         }

@@ -1,7 +1,7 @@
 //! A node's live state: the snapshot and the credential state it serves, and their
 //! copies on disk (the snapshot file, the credentials file and the log of fast-lane deltas
-//! beside it). Both ways versions arrive — the file watcher and SIGHUP in [`crate::server`],
-//! the control plane in [`crate::control_client`] — apply and persist them through here,
+//! beside it). Both ways versions arrive — the file watcher and SIGHUP in [`crate::node::watch`],
+//! the control plane in [`crate::node::control_client`] — apply and persist them through here,
 //! and nothing else swaps or writes them.
 //!
 //! Applying builds beside the live version and swaps one pointer; a version that fails to
@@ -15,7 +15,7 @@ use postern_builtin_filters::auth::StoreError;
 use postern_model::SnapshotError;
 use postern_model::disk::{self, DiskError};
 
-use crate::proxy::Gateway;
+use crate::gateway::Gateway;
 use crate::snapshot::{BuildError, Builder};
 
 /// Why a version was refused; the live one stays. Its text is the NACK's reason.

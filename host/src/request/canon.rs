@@ -8,7 +8,7 @@ use http::header::HOST;
 use http::uri::PathAndQuery;
 use postern_model::path::{PathPolicy, canonical};
 
-use crate::error::ProxyError;
+use crate::request::error::ProxyError;
 
 /// The authority a request is routed on.
 #[derive(Debug)]

@@ -2,7 +2,7 @@
 //!
 //! Retries, breakers and outlier ejection act on an upstream failure's kind, so a failure
 //! is classified once, where it happens, from typed sources (never from an error's text).
-//! It becomes the caller's problem+json in exactly one place, [`crate::respond`].
+//! It becomes the caller's problem+json in exactly one place, [`crate::request::respond`].
 
 use std::time::Duration;
 
@@ -68,10 +68,10 @@ pub enum ProxyError {
     BodyTimeout,
     /// The client's body stream broke off.
     #[error("the request body broke off")]
-    BodyBroken(#[source] crate::body::BodyError),
+    BodyBroken(#[source] crate::request::body::BodyError),
     /// The client's body stream broke off while it was streamed to the backend.
     #[error("the request body broke off")]
-    ClientBodyBroken(#[source] crate::upstream::Error),
+    ClientBodyBroken(#[source] crate::cluster::connect::Error),
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
@@ -90,10 +90,10 @@ pub enum ProxyError {
     NoEndpoint,
     /// The backend did not accept the connection within the connect timeout.
     #[error("the backend did not accept the connection in time")]
-    ConnectTimeout(#[source] crate::upstream::Error),
+    ConnectTimeout(#[source] crate::cluster::connect::Error),
     /// The backend refused the connection.
     #[error("the backend refused the connection")]
-    ConnectRefused(#[source] crate::upstream::Error),
+    ConnectRefused(#[source] crate::cluster::connect::Error),
     /// The backend did not answer within the route's response timeout.
     #[error("the backend did not answer within {} ms", .timeout.as_millis())]
     ResponseTimeout {
@@ -102,7 +102,7 @@ pub enum ProxyError {
     },
     /// The backend closed or reset the connection after the request was sent.
     #[error("the backend closed or reset the connection")]
-    UpstreamBroken(#[source] crate::upstream::Error),
+    UpstreamBroken(#[source] crate::cluster::connect::Error),
     /// The route's validator refused the request (its OpenAPI operation).
     #[error("{0}")]
     Refused(#[from] postern_validate::Refusal),
@@ -159,14 +159,14 @@ impl ProxyError {
     /// body over the limit is the caller's; a connect failure is a timeout when an
     /// [`std::io::ErrorKind::TimedOut`] is in its sources (the connector's own timeout),
     /// else a refusal; anything else happened after the request was sent.
-    pub fn from_client(e: crate::upstream::Error, limit: u64) -> ProxyError {
-        if crate::body::is_too_large(&e) {
+    pub fn from_client(e: crate::cluster::connect::Error, limit: u64) -> ProxyError {
+        if crate::request::body::is_too_large(&e) {
             return ProxyError::BodyTooLarge { limit };
         }
-        if crate::body::is_client_body(&e) {
+        if crate::request::body::is_client_body(&e) {
             return ProxyError::ClientBodyBroken(e);
         }
-        if crate::body::is_stalled(&e) {
+        if crate::request::body::is_stalled(&e) {
             return ProxyError::BodyTimeout;
         }
         if e.is_connect() {
@@ -219,9 +219,9 @@ mod tests {
     /// connection, and a backend that closes after reading the request.
     #[tokio::test]
     async fn client_failures_are_classified_by_kind() {
-        use crate::body::UpstreamBody;
-        let mut clients = crate::upstream::Clients::default();
-        let transport = crate::upstream::Transport::default();
+        use crate::request::body::UpstreamBody;
+        let mut clients = crate::cluster::connect::Clients::default();
+        let transport = crate::cluster::connect::Transport::default();
         let client = clients.get(Duration::from_millis(200), &transport).unwrap();
         let mut send = |addr: String| {
             let pool = clients.pool(&transport, &addr.parse().unwrap());

@@ -1,0 +1,166 @@
+//! A route's Wasm filters: manifest, module, review, limits, the real runtime's checks,
+//! and the manifest's sample cases run in the sandbox.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use postern_model::FilterSpec;
+
+use super::context::Ctx;
+use super::parse::valid_name;
+
+/// Resolves a Wasm filter attachment: manifest, module, review, limits, and a check of
+/// the component itself in the real runtime (world, imports), and the filter's own
+/// check of its config (its `init`).
+pub(crate) fn wasm_filter(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    team: &str,
+    w: &crate::config::WasmAttachDoc,
+) -> Option<FilterSpec> {
+    let owner = Some(team);
+    if !valid_name(&w.name) {
+        cx.error(file, format!("{field}.name"), "filter names are lowercase letters, digits and '-'", owner);
+        return None;
+    }
+    let quarantine = match w.quarantine.policy() {
+        Ok(q) => q,
+        Err((name, why)) => {
+            cx.error(file, format!("{field}.quarantine.{name}"), why, owner);
+            return None;
+        }
+    };
+    let manifest_path = cx.root.join("teams").join(team).join("filters").join(format!("{}.yaml", w.name));
+    if !manifest_path.exists() {
+        let rel = manifest_path.strip_prefix(&cx.root).unwrap_or(&manifest_path).display().to_string();
+        cx.error(file, format!("{field}.name"), format!("no filter manifest {rel}"), owner);
+        return None;
+    }
+    let manifest: crate::config::FilterManifestDoc = cx.load(&manifest_path, owner)?;
+    let over = manifest.limits.over(&postern_model::wasm::Limits::MAXIMA);
+    if !over.is_empty() {
+        cx.error(&manifest_path, "limits", over.join("; "), owner);
+        return None;
+    }
+    let module_path = manifest_path.parent().unwrap_or(&cx.root).join(&manifest.module);
+    let bytes = match std::fs::read(&module_path) {
+        Ok(b) => b,
+        Err(e) => {
+            cx.error(&manifest_path, "module", format!("cannot read {}: {e}", module_path.display()), owner);
+            return None;
+        }
+    };
+    let digest = postern_model::content_hash(&bytes);
+    let approved = cx.review.iter().any(|a| a.digest == digest && a.team == team && a.filter == w.name);
+    if !approved {
+        cx.error(
+            &manifest_path,
+            "module",
+            format!("module {digest} of filter {} is not approved for team {team} in platform/filters.yaml", w.name),
+            owner,
+        );
+        return None;
+    }
+    let module = match cx.sandbox.load(&bytes, &digest) {
+        Ok(m) => m,
+        Err(e) => {
+            cx.error(&manifest_path, "module", format!("module {digest}: {e}"), owner);
+            return None;
+        }
+    };
+    if cx.sampled.insert(manifest_path.clone()) {
+        run_samples(cx, &manifest_path, team, &module, &manifest);
+    }
+    cx.modules.insert(digest.clone(), module_path);
+    // The filter's own check of its config (`init`), as each node will run it.
+    if let Err(e) = cx.sandbox.check_config(&module, &w.config, &manifest.limits) {
+        cx.error(file, format!("{field}.config"), format!("filter {}: {e}", w.name), owner);
+        return None;
+    }
+    let attachment = postern_model::wasm::Attachment {
+        name: w.name.clone(),
+        module: digest,
+        limits: manifest.limits,
+        failure: w.failure,
+        response_phase: w.response_phase,
+        config: w.config.clone(),
+        quarantine,
+    };
+    match serde_json::to_value(&attachment) {
+        Ok(config) => Some(FilterSpec { kind: "wasm".into(), config }),
+        Err(e) => {
+            cx.error(file, field, e.to_string(), owner);
+            None
+        }
+    }
+}
+
+/// Runs a filter manifest's sample cases in the real sandbox, with the manifest's limits;
+/// each case whose decision differs is an error naming it.
+fn run_samples(
+    cx: &mut Ctx,
+    manifest_path: &Path,
+    team: &str,
+    module: &Arc<postern_wasm::Module>,
+    manifest: &crate::config::FilterManifestDoc,
+) {
+    for (i, case) in manifest.samples.iter().enumerate() {
+        let field = format!("samples[{i}]");
+        let r = &case.request;
+        let req = crate::filter_run::RunRequest {
+            method: r.method.clone(),
+            path: r.path.clone(),
+            headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            body: r.body.as_ref().map(|b| b.clone().into_bytes()),
+        };
+        let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req, &cx.paths) {
+            Ok(r) => r,
+            Err(e) => {
+                cx.error(manifest_path, field, format!("{:?}: cannot run: {e:#}", case.name), Some(team));
+                continue;
+            }
+        };
+        // The last phase that ran decides.
+        let got = report["phases"].as_array().and_then(|p| p.last()).cloned().unwrap_or_default();
+        if let Some(why) = sample_mismatch(&case.expect, &got) {
+            cx.error(manifest_path, field, format!("{:?}: {why}", case.name), Some(team));
+        }
+    }
+}
+
+/// How a filter's decision differs from what a sample expects, if it does.
+fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Value) -> Option<String> {
+    let decision = got["decision"].as_str().unwrap_or("none");
+    let describe = |v: &serde_json::Value| match v["decision"].as_str() {
+        Some("respond") => format!("respond {}", v["status"]),
+        Some("failed") => match v["rule"].as_str() {
+            Some(rule) => format!("failed (bad_output: the answer breaks the rule {rule})"),
+            None => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
+        },
+        Some(d) => d.to_owned(),
+        None => "nothing".to_owned(),
+    };
+    let wanted = match (expect.decision.as_str(), expect.status) {
+        ("respond", Some(s)) => format!("respond {s}"),
+        (d, _) => d.to_owned(),
+    };
+    if decision != expect.decision || (decision == "respond" && expect.status.is_some_and(|s| got["status"] != s)) {
+        return Some(format!("expected {wanted}, got {}", describe(got)));
+    }
+    for (name, value) in &expect.set_headers {
+        let set = got["set_headers"].as_array().and_then(|h| {
+            h.iter().find(|kv| kv[0].as_str().is_some_and(|k| k.eq_ignore_ascii_case(name))).map(|kv| kv[1].clone())
+        });
+        if set.as_ref().and_then(|v| v.as_str()) != Some(value.as_str()) {
+            let got = set.map_or("not set".to_owned(), |v| format!("set to {v}"));
+            return Some(format!("expected header {name} set to {value:?}, it was {got}"));
+        }
+    }
+    if let Some(p) = &expect.path
+        && got["path"].as_str() != Some(p.as_str())
+    {
+        return Some(format!("expected path {p:?}, got {}", got["path"]));
+    }
+    None
+}

@@ -1,0 +1,402 @@
+//! `posternctl serve`: publishes versions from the config repository into the store and
+//! delivers them to nodes.
+//!
+//! Nodes hold a long poll per lane (`GET /v1/nodes/<node>/<lane>?have=N&wait=S`): the
+//! answer comes as soon as the lane's head differs from `have`, or after `S` seconds with
+//! 204 — the long-lived stream and the periodic poll in one request. A node builds what it
+//! got beside its live state, swaps, and ACKs or NACKs (`POST .../ack`); `/v1/status`
+//! says who is on what. Publishing (`POST /v1/publish`) compiles the repository with the
+//! same compiler as `posternctl compile` and refuses, untouched, anything that fails;
+//! `POST /v1/rollback?to=N` publishes version N's contents as a new version. The fast
+//! lane (credentials) can wait for every live node's ACK before answering (`?wait_acks=S`);
+//! a publish can wait until the first stage's nodes serve the new snapshot, a rollback
+//! until every live node does (`?wait=S`, answering who serves it, who is behind and who
+//! refused it).
+//!
+//! A changed snapshot is rolled out in stages (see [`crate::rollout`]): the long poll
+//! gives each node the version its stage says, nodes report the compared routes' counts
+//! (`POST /v1/nodes/<node>/report`), and a regression re-publishes the old contents as a
+//! new version (`auto-revert` in the audit trail). A rollback reaches every node at once
+//! and ends any rollout.
+//!
+//! Every request carries a bearer token; tokens are listed by SHA-256 with a role:
+//! `platform` (publish, rollback), `node` (receive, ACK), or `team:<name>` (read status
+//!
+//! ```text
+//! mod.rs      starting the server, and each request routed by path and role
+//! state.rs    the server's state; JSON answers, errors and bodies
+//! role.rs     who a bearer token speaks for
+//! nodes.rs    delivery: long polls, ACKs, reports, the published directory
+//! publish.rs  publish, rollback, and the waits for ACKs and for serving nodes
+//! rollout.rs  the staged rollout moved on, or reverted
+//! status.rs   the fleet's versions and the rollout
+//! keys.rs     the key service (keys, deny list) on the fast lane
+//! trace.rs    per-caller debug tracing
+//! usage.rs    the usage intake and queries
+//! quota.rs    quotas: flags, the webhook, the reconciler's schedule
+//! stream.rs   the usage stream on Kafka
+//! client.rs   the CLI's request to a control plane
+//! ```
+
+mod client;
+mod keys;
+mod nodes;
+mod publish;
+mod quota;
+mod role;
+mod rollout;
+mod state;
+mod status;
+mod stream;
+mod trace;
+mod usage;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use tokio::sync::watch;
+
+use postern_model::protocol::{self, Ack, MAX_WAIT_S, Poll};
+use postern_model::report::Report;
+
+pub use self::client::request_with;
+pub use self::role::Role;
+pub use self::state::{LaneState, TokenEntry};
+pub use self::stream::UsageKafka;
+
+use self::state::{Body, JSON_BODY_LIMIT, QuotaService, Server, StreamStats, error, json, read_json};
+use crate::keyservice::Op;
+use crate::rollout::RolloutSettings;
+use crate::store::{Lane, Store};
+use crate::usage::UsageStore;
+
+/// Serving settings.
+#[derive(Debug, Clone)]
+pub struct ServeSettings {
+    /// The config repository.
+    pub repo: PathBuf,
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Token list (JSON: `[{"name", "role", "sha256"}]`).
+    pub tokens: PathBuf,
+    /// How snapshots are rolled out.
+    pub rollout: RolloutSettings,
+    /// Certificate chain and private key (PEM) to serve HTTPS with; plain HTTP without.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Where every credentials version is also written, signed, as `credentials.json`:
+    /// the directory (a shared volume or mounted bucket) nodes poll when their streams
+    /// are down.
+    pub publish_dir: Option<PathBuf>,
+    /// The usage store nodes' windows are applied to (none: the intake answers 503).
+    pub usage_db: Option<PathBuf>,
+    /// Where quota events (80 % and 100 % of a quota) are posted.
+    pub quota_webhook: Option<String>,
+    /// The usage stream on Kafka, consumed into the usage store beside the HTTP intake.
+    pub usage_kafka: Option<UsageKafka>,
+}
+
+/// Open connections the control plane's HTTP server holds at most (two long polls per
+/// node, plus operators).
+const MAX_CONNECTIONS: usize = 4096;
+
+/// Runs the control plane until the process is stopped.
+pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&settings.tokens)
+        .map_err(|e| anyhow::anyhow!("cannot read tokens {}: {e}", settings.tokens.display()))?;
+    let tokens: Vec<TokenEntry> =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("tokens {}: {e}", settings.tokens.display()))?;
+    for t in &tokens {
+        anyhow::ensure!(
+            t.sha256.len() == 64 && hex::decode(&t.sha256).is_ok(),
+            "token {}: sha256 must be 64 hex digits",
+            t.name
+        );
+    }
+    let heads = (
+        store.head(Lane::Snapshot).await?.map_or(0, |v| v.number),
+        store.head(Lane::Credentials).await?.map_or(0, |v| v.number),
+        0,
+    );
+    let usage = match &settings.usage_db {
+        Some(path) => {
+            let path = path.clone();
+            let store = tokio::task::spawn_blocking(move || UsageStore::open(&path)).await??;
+            eprintln!("posternctl serve: usage store {}", store.path().display());
+            Some(Arc::new(store))
+        }
+        None => None,
+    };
+    let server = Arc::new(Server {
+        store,
+        usage,
+        repo: settings.repo,
+        tokens,
+        heads: watch::Sender::new(heads),
+        nodes: Mutex::new(BTreeMap::new()),
+        publishing: tokio::sync::Mutex::new(()),
+        rollout_settings: settings.rollout,
+        rollout: Mutex::new(None),
+        last_rollout: Mutex::new(None),
+        reports: Mutex::new(BTreeMap::new()),
+        deltas: Mutex::new(std::collections::VecDeque::new()),
+        publish_dir: settings.publish_dir,
+        quota: QuotaService::new(settings.quota_webhook),
+        stream: StreamStats::default(),
+    });
+    let tls = match &settings.tls {
+        Some((cert, key)) => {
+            Some(tokio_rustls::TlsAcceptor::from(postern_model::tls::server_config(cert, key, &[b"http/1.1"], None)?))
+        }
+        None => None,
+    };
+    server.write_published().await;
+    // Room for a fleet of nodes reconnecting at once (`TcpListener::bind` asks for 128).
+    let listener = postern_model::net::listen(settings.listen, postern_model::net::BACKLOG)?;
+    let addr = listener.local_addr()?;
+    eprintln!("posternctl serve: listening on {addr}");
+    outln!("{addr}");
+    {
+        let server = server.clone();
+        tokio::spawn(async move { server.watch_store().await });
+    }
+    {
+        let server = server.clone();
+        tokio::spawn(async move { server.drive_rollouts().await });
+    }
+    if server.usage.is_some() {
+        tokio::spawn(server.clone().flag_loop());
+        tokio::spawn(server.clone().reconcile_loop());
+        if let Some(url) = server.quota.webhook.clone() {
+            tokio::spawn(server.clone().webhook_loop(url));
+        }
+        if let Some(kafka) = settings.usage_kafka {
+            let consumer = stream::consumer(&kafka).await?;
+            eprintln!("posternctl serve: consuming usage from Kafka topic {} at {}", kafka.topic, kafka.brokers);
+            tokio::spawn(server.clone().consume_usage(consumer));
+        }
+    } else if settings.usage_kafka.is_some() {
+        anyhow::bail!("--usage-kafka needs a usage store (--usage-db)");
+    }
+    // Bounded: open connections (every node holds two long polls), the time a request
+    // head may take, the wait between requests on a kept-alive connection (both the
+    // header timeout), and request bodies (64 KiB, `read_json`).
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let server = server.clone();
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let server = server.clone();
+                async move { Ok::<_, std::convert::Infallible>(server.handle(req).await) }
+            });
+            let http = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .max_buf_size(64 * 1024)
+                .clone();
+            match tls {
+                // The handshake has the header timeout's bound too.
+                Some(tls) => {
+                    if let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_secs(10), tls.accept(stream)).await {
+                        let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                    }
+                }
+                None => {
+                    let _ = http.serve_connection(hyper_util::rt::TokioIo::new(stream), svc).await;
+                }
+            }
+            drop(slot);
+        });
+    }
+}
+
+impl Server {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let Some(who) = self.who(&req).cloned() else {
+            return error(StatusCode::UNAUTHORIZED, "a valid bearer token is required");
+        };
+        let path = req.uri().path().to_owned();
+        let query = req.uri().query().unwrap_or_default().to_owned();
+        let param = |name: &str| -> Option<String> {
+            query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=').map(str::to_owned))
+        };
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let role = &who.role;
+        let is_node = role.is_node();
+        if let ["v1", "nodes", node, ..] = parts.as_slice()
+            && is_node
+            && !role.speaks_for(node)
+        {
+            return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {node}"));
+        }
+        match (req.method().clone(), parts.as_slice()) {
+            (Method::GET, ["v1", "nodes", node, lane]) if is_node => {
+                let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let poll = Poll::from_query(&query);
+                // What the node runs now (it may have booted from disk, with no ACK).
+                if let Some(running) = poll.running {
+                    self.record(node, kind, |lane| lane.version = running);
+                }
+                if poll.canary {
+                    self.set_canary(node);
+                }
+                self.poll(node, kind, poll.have, Duration::from_secs(poll.wait_s), poll.full).await
+            }
+            (Method::POST, ["v1", "nodes", node, lane, "ack"]) if is_node => {
+                let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
+                let node = (*node).to_owned();
+                match read_json::<Ack>(req, JSON_BODY_LIMIT).await {
+                    Ok(ack) => self.ack(&node, kind, ack),
+                    Err(e) => e,
+                }
+            }
+            (Method::GET, ["v1", "nodes", node, "usage", "missing"]) if is_node => {
+                let node = (*node).to_owned();
+                self.usage_read(move |u| {
+                    u.missing(&node).map(|missing| {
+                        serde_json::to_value(protocol::UsageAck { missing, ..Default::default() }).unwrap_or_default()
+                    })
+                })
+                .await
+            }
+            (Method::PUT, ["v1", "nodes", node, "usage", "counters"]) if is_node => {
+                let node = (*node).to_owned();
+                self.usage_counters(node, req).await
+            }
+            (Method::POST, ["v1", "nodes", node, "report"]) if is_node => {
+                let node = (*node).to_owned();
+                match read_json::<Report>(req, JSON_BODY_LIMIT).await {
+                    Ok(report) => {
+                        let watch = self.report(&node, report);
+                        json(StatusCode::OK, &serde_json::to_value(watch).unwrap_or_default())
+                    }
+                    Err(e) => e,
+                }
+            }
+            (Method::GET, ["v1", "modules", hex]) if is_node || *role == Role::Platform => {
+                match self.store.module(hex).await {
+                    Ok(Some(b)) => Response::new(Full::new(Bytes::from(b))),
+                    Ok(None) => error(StatusCode::NOT_FOUND, "no such module"),
+                    Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                }
+            }
+            (Method::POST, ["v1", "keys"]) if *role == Role::Platform => {
+                self.key_request(&who.name, req, param("wait_acks"), Op::Create).await
+            }
+            (Method::POST, ["v1", "keys", "revoke"]) if *role == Role::Platform => {
+                self.key_request(&who.name, req, param("wait_acks"), Op::Revoke).await
+            }
+            (Method::POST, ["v1", "keys", id, "rotate"]) if *role == Role::Platform => {
+                let id = (*id).to_owned();
+                self.key_request(&who.name, req, param("wait_acks"), |b| Op::Rotate(id, b)).await
+            }
+            (Method::POST, ["v1", "deny"]) if *role == Role::Platform => {
+                self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
+            }
+            (Method::POST, ["v1", "trace"]) if *role == Role::Platform => {
+                let wait = Duration::from_secs(
+                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
+                );
+                match read_json::<trace::TraceBody>(req, JSON_BODY_LIMIT).await {
+                    Ok(body) => self.debug_trace(&who.name, body, wait).await,
+                    Err(e) => e,
+                }
+            }
+            (Method::POST, ["v1", "usage"]) if is_node => self.usage_intake(role, req).await,
+            (Method::GET, ["v1", "usage"]) if !is_node => self.usage_query(role.team(), &query).await,
+            (Method::GET, ["v1", "usage", "totals"]) if *role == Role::Platform => self.usage_totals(&query).await,
+            (Method::POST, ["v1", "usage", "reconcile"]) if *role == Role::Platform => {
+                let Some(period) = param("period").filter(|p| postern_model::usage::parse_month(p).is_some()) else {
+                    return error(StatusCode::BAD_REQUEST, "reconcile needs ?period=YYYY-MM");
+                };
+                let now = postern_model::disk::unix_now();
+                self.usage_read(move |u| {
+                    Ok(u.reconcile(&period, now)?
+                        .map(|r| serde_json::to_value(r).unwrap_or_default())
+                        .unwrap_or_default())
+                })
+                .await
+            }
+            (Method::GET, ["v1", "usage", "export"]) if *role == Role::Platform => {
+                let Some(period) = param("period") else {
+                    return error(StatusCode::BAD_REQUEST, "export needs ?period=YYYY-MM");
+                };
+                self.usage_export(period).await
+            }
+            (Method::GET, ["v1", "usage", "events"]) if *role == Role::Platform => {
+                let after = param("after").and_then(|v| v.parse().ok()).unwrap_or(0u64);
+                self.usage_read(move |u| u.events(after, 1000, None).map(|e| serde_json::json!({ "events": e }))).await
+            }
+            (Method::GET, ["v1", "usage", "flags"]) if *role == Role::Platform => {
+                let now = postern_model::disk::unix_now();
+                self.usage_read(move |u| u.live_flags(now).map(|f| serde_json::json!({ "over_quota": f }))).await
+            }
+            (Method::GET, ["v1", "usage", "stream"]) if *role == Role::Platform => {
+                json(StatusCode::OK, &self.stream.to_json())
+            }
+            (Method::POST, ["v1", "usage", "flags", "lift"]) if *role == Role::Platform => {
+                let caller = match (param("key"), param("app")) {
+                    (Some(k), None) => (k, postern_model::usage::CallerKind::Key),
+                    (None, Some(a)) => (a, postern_model::usage::CallerKind::App),
+                    _ => return error(StatusCode::BAD_REQUEST, "lift needs ?key=<key id> or ?app=<client_id>"),
+                };
+                let wait = Duration::from_secs(
+                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
+                );
+                self.lift_flags(&who.name, caller, param("product"), wait).await
+            }
+            (Method::GET, ["v1", "usage", "refusals"]) if *role == Role::Platform => {
+                self.usage_read(|u| u.refusals().map(|r| serde_json::json!({ "refusals": r }))).await
+            }
+            (Method::GET, ["v1", "usage", "nodes"]) if *role == Role::Platform => {
+                self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
+            }
+            (Method::GET, ["v1", "status"]) if !is_node => self.status(role.team()).await,
+            (Method::GET, ["v1", "audit"]) if !is_node => match self.store.audit().await {
+                Ok(mut a) => {
+                    // A team reads only what its own tokens did.
+                    if role.team().is_some() {
+                        let ours: Vec<&str> =
+                            self.tokens.iter().filter(|t| t.role == *role).map(|t| t.name.as_str()).collect();
+                        a.retain(|e| ours.contains(&e.who.as_str()));
+                    }
+                    json(StatusCode::OK, &serde_json::to_value(a).unwrap_or_default())
+                }
+                Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            },
+            (Method::POST, ["v1", "publish"]) if matches!(role, Role::Platform | Role::Team(_)) => {
+                let secs = |name| {
+                    Duration::from_secs(param(name).and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S))
+                };
+                self.publish(&who.name, role.team(), secs("wait_acks"), secs("wait")).await
+            }
+            (Method::POST, ["v1", "rollback"]) if *role == Role::Platform => {
+                let Some(to) = param("to").and_then(|v| v.parse::<u64>().ok()) else {
+                    return error(StatusCode::BAD_REQUEST, "rollback needs ?to=<version>");
+                };
+                let wait = param("wait").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
+                self.rollback(&who.name, to, Duration::from_secs(wait)).await
+            }
+            (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
+            _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+        }
+    }
+}

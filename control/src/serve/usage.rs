@@ -1,0 +1,257 @@
+//! The usage endpoints: nodes' windows and counters in, and what billing and teams read
+//! out (rows, totals, the export), each run on the usage store off the async workers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+
+use postern_model::protocol::{self, UsageAck};
+use postern_model::usage::{CallerKind, Window};
+
+use super::role::Role;
+use super::state::{Body, Server, error, json, read_json};
+use crate::usage::{ApplyError, By, Query, UsageStore};
+
+/// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
+/// larger (a busy node's 10 s of distinct callers × routes).
+const USAGE_BODY_LIMIT: usize = 64 << 20;
+
+/// A usage query's parameters, decoded.
+fn usage_params(query: &str) -> Result<Vec<(String, String)>, String> {
+    query
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            let v = crate::usage::query_unescape(v).ok_or_else(|| format!("{k}: not percent-encoded UTF-8"))?;
+            Ok((k.to_owned(), v))
+        })
+        .collect()
+}
+
+impl Server {
+    /// `POST /v1/usage`: a node's closed windows, applied exactly once. Every window must
+    /// be well formed and the token's own node's; otherwise nothing is applied.
+    pub(super) async fn usage_intake(&self, role: &Role, req: Request<Incoming>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let body = match Limited::new(req.into_body(), USAGE_BODY_LIMIT).collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {USAGE_BODY_LIMIT} bytes)")),
+        };
+        let batch: protocol::UsageBatch = match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        };
+        for w in &batch.windows {
+            if !role.speaks_for(&w.node) {
+                return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));
+            }
+            if let Err(e) = w.check() {
+                // Out of shape: refused, and counted for the node it names.
+                let (store, now) = (store.clone(), postern_model::disk::unix_now());
+                let recorded = tokio::task::spawn_blocking(move || store.refused(&e, now).map(|()| e)).await;
+                return match recorded {
+                    Ok(Ok(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                    Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+                    Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                };
+            }
+        }
+        match self.apply_usage(store, batch.windows).await {
+            Ok(ack) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
+            Err(e @ ApplyError::Conflict { .. }) => {
+                eprintln!("posternctl serve: {e}");
+                error(StatusCode::CONFLICT, e.to_string())
+            }
+            Err(e @ ApplyError::Refused(_)) => {
+                eprintln!("posternctl serve: {e}");
+                error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+            }
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    }
+
+    /// `PUT /v1/nodes/<node>/usage/counters`: the node's own counts of a period complete
+    /// on it, for the reconciler; 204 once stored.
+    pub(super) async fn usage_counters(&self, node: String, req: Request<Incoming>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let counters: postern_model::usage::NodeCounters = match read_json(req, USAGE_BODY_LIMIT).await {
+            Ok(c) => c,
+            Err(r) => return r,
+        };
+        if counters.node != node {
+            return error(StatusCode::BAD_REQUEST, format!("counters of node {} sent for node {node}", counters.node));
+        }
+        if let Err(e) = counters.check() {
+            return error(StatusCode::BAD_REQUEST, e);
+        }
+        let now = postern_model::disk::unix_now();
+        match tokio::task::spawn_blocking(move || store.put_counters(&counters, now)).await {
+            Ok(Ok(())) => {
+                let mut r = Response::new(Full::new(Bytes::new()));
+                *r.status_mut() = StatusCode::NO_CONTENT;
+                r
+            }
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    /// Applies checked windows (from the intake or the Kafka stream) in one transaction,
+    /// with the quotas as published now, and wakes the flag publisher.
+    pub(super) async fn apply_usage(
+        &self,
+        store: Arc<UsageStore>,
+        windows: Vec<Window>,
+    ) -> Result<UsageAck, ApplyError> {
+        let quotas = self.quotas().await.map_err(|e| ApplyError::Unavailable(format!("quotas: {e}")))?;
+        let now = postern_model::disk::unix_now();
+        let ack = tokio::task::spawn_blocking(move || store.apply(&windows, now, &quotas))
+            .await
+            .map_err(|e| ApplyError::Unavailable(e.to_string()))??;
+        self.quota.wake.notify_one();
+        Ok(ack)
+    }
+
+    /// `POST /v1/usage/flags/lift?key=K|app=A[&product=P]`: the platform lifts a caller's
+    /// over-quota flags (audited as its token's name); the answer comes once every live
+    /// node runs credentials without them, or after `wait` naming the stale ones.
+    pub(super) async fn lift_flags(
+        &self,
+        who: &str,
+        caller: (String, CallerKind),
+        product: Option<String>,
+        wait: Duration,
+    ) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let now = postern_model::disk::unix_now();
+        let (name, kind) = caller.clone();
+        let lifted =
+            match tokio::task::spawn_blocking(move || store.lift_flags(&name, kind, product.as_deref(), now)).await {
+                Ok(Ok(l)) => l,
+                Ok(Err(e)) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            };
+        if lifted.is_empty() {
+            return error(StatusCode::NOT_FOUND, format!("{} {} has no live over-quota flag", kind.as_str(), caller.0));
+        }
+        let version = match self.publish_flags_as(who, "quota-lift").await {
+            Ok(v) => v,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
+        };
+        let (acked, stale) = self.wait_acks(version, wait).await;
+        json(
+            StatusCode::OK,
+            &serde_json::json!({
+                "lifted": lifted,
+                "credentials": {"version": version, "acked": acked, "stale": stale},
+            }),
+        )
+    }
+
+    /// Runs `f` on the usage store off the async workers.
+    pub(super) async fn usage_read(
+        &self,
+        f: impl FnOnce(&UsageStore) -> rusqlite::Result<serde_json::Value> + Send + 'static,
+    ) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        match tokio::task::spawn_blocking(move || f(&store)).await {
+            Ok(Ok(v)) => json(StatusCode::OK, &v),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    /// `GET /v1/usage?key=&product=&from=&to=&by=route|minute|day`; a team reads only
+    /// its own routes' rows.
+    pub(super) async fn usage_query(&self, team: Option<&str>, query: &str) -> Response<Body> {
+        let params = match usage_params(query) {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let get = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let Some(by) = By::parse(get("by").as_deref().unwrap_or("route")) else {
+            return error(StatusCode::BAD_REQUEST, "by is route, minute or day");
+        };
+        let now = postern_model::disk::unix_now();
+        let time = |name: &str, default: u64| match get(name) {
+            None => Ok(default),
+            Some(v) => crate::usage::parse_time(&v)
+                .ok_or_else(|| format!("{name}: {v:?} is not Unix seconds, YYYY-MM-DD or RFC 3339")),
+        };
+        let (from, to) = match (time("from", postern_model::usage::month_period(now).1), time("to", now + 60)) {
+            (Ok(f), Ok(t)) if f < t => (f, t),
+            (Ok(_), Ok(_)) => return error(StatusCode::BAD_REQUEST, "from must be before to"),
+            (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let q = Query { caller: get("key"), product: get("product"), team: team.map(str::to_owned), from, to, by };
+        let by_name = get("by").unwrap_or_else(|| "route".into());
+        self.usage_read(move |u| {
+            let rows = u.query(&q)?;
+            Ok(serde_json::json!({
+                "from": crate::usage::rfc3339(from),
+                "to": crate::usage::rfc3339(to),
+                "by": by_name,
+                "truncated": rows.len() == crate::usage::MAX_ROWS,
+                "rows": rows,
+            }))
+        })
+        .await
+    }
+
+    /// `GET /v1/usage/export?period=YYYY-MM`: a final period's billing export, one JSON
+    /// line per caller and product; 409 while the period is not final.
+    pub(super) async fn usage_export(&self, period: String) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        match tokio::task::spawn_blocking(move || store.export(&period)).await {
+            Ok(Ok(Ok(totals))) => {
+                let mut body = String::new();
+                for t in totals {
+                    body.push_str(&serde_json::to_string(&t).unwrap_or_default());
+                    body.push('\n');
+                }
+                let mut r = Response::new(Full::new(Bytes::from(body)));
+                r.headers_mut()
+                    .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/x-ndjson"));
+                r
+            }
+            Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    /// `GET /v1/usage/totals?period=YYYY-MM&key=`: billing totals (platform only).
+    pub(super) async fn usage_totals(&self, query: &str) -> Response<Body> {
+        let params = match usage_params(query) {
+            Ok(p) => p,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        };
+        let get = |name: &str| params.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let period =
+            get("period").unwrap_or_else(|| postern_model::usage::month_period(postern_model::disk::unix_now()).0);
+        if postern_model::usage::parse_month(&period).is_none() {
+            return error(StatusCode::BAD_REQUEST, "period is YYYY-MM");
+        }
+        let caller = get("key");
+        self.usage_read(move |u| {
+            let totals = u.totals(&period, caller.as_deref())?;
+            Ok(serde_json::json!({ "period": period, "totals": totals }))
+        })
+        .await
+    }
+}

@@ -1,0 +1,153 @@
+//! The usage database: one SQLite file in WAL mode, its tables, and the migrations of
+//! stores made by older versions.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use postern_model::usage::{LATENCY_BUCKETS, Window};
+use rusqlite::{Connection, params};
+
+/// The usage database of a control plane.
+#[derive(Debug)]
+pub struct UsageStore {
+    conn: Mutex<Connection>,
+    path: PathBuf,
+}
+
+/// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
+/// it was applied, to tell a re-send (the same bytes) from a renumbering node.
+const APPLIED: &str = "CREATE TABLE IF NOT EXISTS applied (
+    node TEXT NOT NULL, seq INTEGER NOT NULL, part INTEGER NOT NULL, parts INTEGER NOT NULL,
+    start INTEGER NOT NULL, recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
+    raw BLOB NOT NULL, PRIMARY KEY (node, seq, part)) WITHOUT ROWID;";
+
+/// Rewrites a whole-window `applied` table as parts ([`Window::split`]).
+fn migrate_applied(conn: &Connection) -> anyhow::Result<()> {
+    let tx = conn.unchecked_transaction()?;
+    tx.execute_batch(&format!("ALTER TABLE applied RENAME TO applied_by_window; {APPLIED}"))?;
+    {
+        let mut read = tx.prepare("SELECT raw, received FROM applied_by_window")?;
+        let mut insert = tx.prepare(
+            "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            let raw: Vec<u8> = r.get(0)?;
+            let received: i64 = r.get(1)?;
+            let w: Window = serde_json::from_slice(&raw)?;
+            for p in w.split() {
+                let calls: u64 = p.rows.iter().map(|r| r.calls()).sum();
+                insert.execute(params![
+                    p.node,
+                    sql_int(p.seq),
+                    p.part,
+                    p.parts,
+                    sql_int(p.start),
+                    p.recovered,
+                    sql_int(calls),
+                    received,
+                    serde_json::to_vec(&p)?
+                ])?;
+            }
+        }
+    }
+    tx.execute_batch("DROP TABLE applied_by_window")?;
+    tx.commit()?;
+    Ok(())
+}
+
+pub(crate) fn hist_cols(prefix: &str) -> String {
+    (0..LATENCY_BUCKETS).map(|i| format!("{prefix}h{i}")).collect::<Vec<_>>().join(", ")
+}
+
+impl UsageStore {
+    /// Opens (creating) the database at `path`.
+    pub fn open(path: &Path) -> anyhow::Result<UsageStore> {
+        let conn = Connection::open(path).map_err(|e| anyhow::anyhow!("usage store {}: {e}", path.display()))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))?;
+        // A store made before windows were applied by part has `applied` keyed by
+        // (node, seq): its windows are split into their parts once, in one transaction.
+        let by_window = conn.prepare("SELECT seq FROM applied LIMIT 0").is_ok()
+            && conn.prepare("SELECT part FROM applied LIMIT 0").is_err();
+        if by_window {
+            migrate_applied(&conn)?;
+        }
+        let hist_decl = (0..LATENCY_BUCKETS).map(|i| format!("h{i} INTEGER NOT NULL")).collect::<Vec<_>>().join(", ");
+        conn.execute_batch(&format!(
+            "{APPLIED}
+             CREATE TABLE IF NOT EXISTS totals (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, period TEXT NOT NULL,
+                billable INTEGER NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
+                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL, overshoot INTEGER NOT NULL DEFAULT 0,
+                PRIMARY KEY (caller, kind, product, period)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS minutes (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, route TEXT NOT NULL, product TEXT NOT NULL,
+                minute INTEGER NOT NULL,
+                s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL, s4 INTEGER NOT NULL,
+                s5 INTEGER NOT NULL, latency_us INTEGER NOT NULL, {hist_decl},
+                PRIMARY KEY (caller, kind, route, product, minute)) WITHOUT ROWID;
+             CREATE INDEX IF NOT EXISTS minutes_by_time ON minutes (minute);
+             CREATE TABLE IF NOT EXISTS contiguous (
+                node TEXT NOT NULL PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS periods (
+                period TEXT NOT NULL PRIMARY KEY, final_at INTEGER, late INTEGER NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS duplicates (
+                node TEXT NOT NULL PRIMARY KEY, windows INTEGER NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS quota_use (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL,
+                period_start INTEGER NOT NULL, period_end INTEGER NOT NULL, used INTEGER NOT NULL,
+                PRIMARY KEY (caller, kind, product, period_start)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS quota_events (
+                id INTEGER PRIMARY KEY AUTOINCREMENT, at INTEGER NOT NULL,
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL,
+                period_start INTEGER NOT NULL, period_end INTEGER NOT NULL, percent INTEGER NOT NULL,
+                used INTEGER NOT NULL, quota INTEGER NOT NULL, mode TEXT NOT NULL,
+                delivered INTEGER NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0,
+                next_try INTEGER NOT NULL DEFAULT 0,
+                UNIQUE (caller, kind, product, period_start, percent));
+             CREATE TABLE IF NOT EXISTS over_quota (
+                caller TEXT NOT NULL, kind TEXT NOT NULL, product TEXT NOT NULL, until INTEGER NOT NULL,
+                quota INTEGER NOT NULL, period_s INTEGER NOT NULL, since INTEGER NOT NULL,
+                PRIMARY KEY (caller, kind, product, until)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS node_counters (
+                node TEXT NOT NULL, period TEXT NOT NULL, through INTEGER NOT NULL, calls INTEGER NOT NULL,
+                received INTEGER NOT NULL, raw BLOB NOT NULL, PRIMARY KEY (node, period)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS corrections (
+                node TEXT NOT NULL, period TEXT NOT NULL, caller TEXT NOT NULL, kind TEXT NOT NULL,
+                product TEXT NOT NULL, s1 INTEGER NOT NULL, s2 INTEGER NOT NULL, s3 INTEGER NOT NULL,
+                s4 INTEGER NOT NULL, s5 INTEGER NOT NULL,
+                PRIMARY KEY (node, period, caller, kind, product)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS refusals (
+                node TEXT NOT NULL, rule TEXT NOT NULL, count INTEGER NOT NULL, last_at INTEGER NOT NULL,
+                last_seq INTEGER NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule)) WITHOUT ROWID;"
+        ))?;
+        // `overshoot` came with quotas: a store made before them gains the column.
+        let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();
+        if !has_overshoot {
+            conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
+        }
+        Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
+    }
+
+    /// Where the database is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
+/// clamped rather than wrapped if they ever did.
+pub(crate) fn sql_int(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}

@@ -1,0 +1,437 @@
+use std::collections::BTreeMap;
+
+use postern_model::credentials::Credentials;
+use postern_model::protocol::UsageAck;
+use postern_model::usage::{CallerKind, LATENCY_BUCKETS, NodeCounters, Row, Window, latency_bucket};
+use postern_model::{Plan, Quota, QuotaMode};
+use rusqlite::{Connection, params};
+
+use super::store::sql_int;
+use super::*;
+
+fn row(caller: &str, route: &str, status: [u64; 5], ms: u64) -> Row {
+    let mut latency = vec![0; LATENCY_BUCKETS];
+    latency[latency_bucket(ms * 1000)] = status.iter().sum();
+    Row {
+        caller: caller.into(),
+        kind: CallerKind::Key,
+        product: "search".into(),
+        route: route.into(),
+        status,
+        latency,
+        latency_us: ms * 1000 * status.iter().sum::<u64>(),
+    }
+}
+
+fn window(node: &str, seq: u64, start: u64, rows: Vec<Row>) -> Window {
+    Window::new(node.into(), seq, start, false, rows)
+}
+
+// 2026-12-01T00:00:00Z.
+const DEC: u64 = 1_796_083_200;
+
+#[test]
+fn a_window_is_added_once_however_often_it_comes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let w1 = window("a", 1, DEC, vec![row("k1", "search/query", [0, 7, 1, 2, 0], 4)]);
+    let w2 = window("a", 2, DEC + 10, vec![row("k1", "search/query", [0, 3, 0, 0, 1], 40)]);
+    let ack = |applied, duplicates| UsageAck { applied, duplicates, missing: Vec::new() };
+    assert_eq!(store.apply(std::slice::from_ref(&w1), DEC, &Quotas::default()).unwrap(), ack(1, 0));
+    assert_eq!(store.apply(&[w1.clone(), w2], DEC, &Quotas::default()).unwrap(), ack(1, 1));
+    assert_eq!(store.apply(std::slice::from_ref(&w1), DEC, &Quotas::default()).unwrap(), ack(0, 1));
+    // Other contents under a known (node, seq): refused whole.
+    let mut other = w1;
+    other.rows[0].status[1] += 1;
+    other.rows[0].latency[latency_bucket(4000)] += 1;
+    let w3 = window("a", 3, DEC + 20, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 4)]);
+    assert!(matches!(store.apply(&[w3, other], DEC, &Quotas::default()), Err(ApplyError::Conflict { seq: 1, .. })));
+    let t = store.totals("2026-12", None).unwrap();
+    assert_eq!(t.len(), 1);
+    assert_eq!((t[0].billable, t[0].calls), (11, 14));
+    let q = Query { caller: None, product: None, team: None, from: DEC, to: DEC + 60, by: By::Route };
+    let rows = store.query(&q).unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].calls, rows[0].billable, rows[0].at.clone()), (14, 11, None));
+    assert!(rows[0].latency_ms.p99 > 30.0, "{:?}", rows[0].latency_ms);
+    let nodes = store.nodes().unwrap();
+    assert_eq!((nodes[0].windows, nodes[0].last_seq, nodes[0].missing, nodes[0].duplicates), (2, 2, 0, 2));
+    // Reopened, everything is still there.
+    drop(store);
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 11);
+}
+
+#[test]
+fn rows_group_by_minute_and_day_and_a_team_sees_its_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let windows = vec![
+        window(
+            "a",
+            1,
+            DEC,
+            vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1), row("k2", "pay/charge", [0, 2, 0, 0, 0], 1)],
+        ),
+        window("a", 2, DEC + 60, vec![row("k1", "search/query", [0, 4, 0, 0, 0], 1)]),
+        window("b", 5, DEC - 10, vec![row("k1", "search/query", [0, 8, 0, 0, 0], 1)]),
+    ];
+    store.apply(&windows, DEC, &Quotas::default()).unwrap();
+    let all = |by| Query { caller: Some("k1".into()), product: None, team: None, from: DEC, to: DEC + 120, by };
+    let by_minute = store.query(&all(By::Minute)).unwrap();
+    assert_eq!(by_minute.iter().map(|r| r.calls).collect::<Vec<_>>(), vec![1, 4]);
+    assert_eq!(by_minute[0].at.as_deref(), Some("2026-12-01T00:00:00Z"));
+    let by_day = store.query(&all(By::Day)).unwrap();
+    assert_eq!(by_day.iter().map(|r| r.calls).collect::<Vec<_>>(), vec![5]);
+    let mut q = all(By::Route);
+    q.caller = None;
+    q.team = Some("pay".into());
+    assert_eq!(store.query(&q).unwrap().iter().map(|r| r.route.as_str()).collect::<Vec<_>>(), vec!["pay/charge"]);
+    // The November window is November's.
+    assert_eq!(store.totals("2026-11", Some("k1")).unwrap()[0].billable, 8);
+    assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 5);
+    // Node b's windows 1..4 never came.
+    assert_eq!(store.nodes().unwrap()[1].missing, 4);
+}
+
+#[test]
+fn gaps_below_the_highest_number_are_asked_for_until_filled() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let w = |seq| window("a", seq, DEC + seq * 10, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1)]);
+    // `now` is after the last window: a window may not start in the future.
+    let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
+    assert_eq!(missing(store.apply(&[w(1), w(2)], DEC + 100, &Quotas::default()).unwrap()), vec![]);
+    // 3..5 and 7 never came.
+    assert_eq!(missing(store.apply(&[w(6), w(8)], DEC + 100, &Quotas::default()).unwrap()), vec![(3, 5), (7, 7)]);
+    assert_eq!(
+        missing(store.apply(&[w(4), w(9)], DEC + 100, &Quotas::default()).unwrap()),
+        vec![(3, 3), (5, 5), (7, 7)]
+    );
+    assert_eq!(missing(store.apply(&[w(3), w(5), w(7)], DEC + 100, &Quotas::default()).unwrap()), vec![]);
+    assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 9);
+    assert_eq!(store.nodes().unwrap()[0].missing, 0);
+}
+
+#[test]
+fn parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = Quotas::default();
+    let whole = |seq| {
+        window(
+            "a",
+            seq,
+            DEC + seq * 10,
+            vec![row("k2", "search/query", [0, 2, 0, 0, 0], 1), row("k1", "search/query", [0, 1, 0, 0, 0], 1)],
+        )
+    };
+    let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
+    // Window 1 whole (HTTP); window 2 by parts (Kafka), one part late.
+    assert_eq!(store.apply(&[whole(1)], DEC, &q).unwrap().applied, 1);
+    let parts = whole(2).split();
+    assert_eq!(parts.len(), 2);
+    assert_eq!(missing(store.apply(&[parts[1].clone()], DEC, &q).unwrap()), vec![(2, 2)]);
+    assert_eq!(missing(store.apply(&[whole(3).split()[0].clone()], DEC, &q).unwrap()), vec![(2, 3)]);
+    assert_eq!(store.nodes().unwrap()[0].missing, 2);
+    // The whole window 2 sent again adds only its missing part.
+    let ack = store.apply(&[whole(2)], DEC, &q).unwrap();
+    assert_eq!((ack.applied, ack.duplicates, missing(ack)), (1, 0, vec![(3, 3)]));
+    // Window 1's parts, as Kafka carries them: duplicates.
+    let ack = store.apply(&whole(1).split(), DEC, &q).unwrap();
+    assert_eq!((ack.applied, ack.duplicates), (0, 2));
+    let ack = store.apply(&whole(3).split(), DEC, &q).unwrap();
+    assert_eq!((ack.applied, ack.duplicates, missing(ack)), (1, 1, vec![]));
+    let billed = |k| store.totals("2026-12", Some(k)).unwrap()[0].billable;
+    assert_eq!((billed("k1"), billed("k2")), (3, 6));
+    let n = &store.nodes().unwrap()[0];
+    assert_eq!((n.windows, n.last_seq, n.missing, n.duplicates), (3, 3, 0, 3));
+}
+
+#[test]
+fn a_store_of_whole_windows_is_rewritten_as_parts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("usage.db");
+    let w = window(
+        "a",
+        1,
+        DEC,
+        vec![row("k2", "search/query", [0, 2, 0, 0, 0], 1), row("k1", "search/query", [0, 1, 0, 0, 0], 1)],
+    );
+    {
+        // The table as it was before parts.
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE applied (
+                node TEXT NOT NULL, seq INTEGER NOT NULL, start INTEGER NOT NULL,
+                recovered INTEGER NOT NULL, calls INTEGER NOT NULL, received INTEGER NOT NULL,
+                raw BLOB NOT NULL, PRIMARY KEY (node, seq)) WITHOUT ROWID;",
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO applied VALUES ('a', 1, ?1, 0, 3, ?1, ?2)",
+            params![sql_int(DEC), serde_json::to_vec(&w).unwrap()],
+        )
+        .unwrap();
+    }
+    let store = UsageStore::open(&path).unwrap();
+    let ack = store.apply(std::slice::from_ref(&w), DEC, &Quotas::default()).unwrap();
+    assert_eq!((ack.applied, ack.duplicates), (0, 1));
+    let n = &store.nodes().unwrap()[0];
+    assert_eq!((n.windows, n.last_seq), (1, 1));
+}
+
+#[test]
+fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let none = Quotas::default();
+    let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
+    let after = DEC + CLOSE_GRACE_S;
+    store.apply(&[w(1, DEC - 20), w(3, DEC + 10)], DEC, &none).unwrap();
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("node a has not reported"), "{r:?}");
+    // The node's own counts cover number 3: window 2 is missing.
+    store.put_counters(&own("a", 3, &[("k1", [0, 4, 0, 2, 0])], &[]), DEC).unwrap();
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(!r.is_final && r.blocking.len() == 1 && r.blocking[0].contains("lacks windows 2..2"), "{r:?}");
+    assert!(store.export("2026-11").unwrap().is_err());
+    store.apply(&[w(2, DEC - 10)], DEC, &none).unwrap();
+    // Not before the period's end and its grace.
+    assert!(!store.reconcile("2026-11", after - 1).unwrap().unwrap().is_final);
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(r.is_final, "{r:?}");
+    assert_eq!((r.billable, r.callers, r.nodes[0].windows, r.nodes[0].calls), (4, 1, 2, 6));
+    assert_eq!((r.nodes[0].own_calls, r.nodes[0].corrected, r.nodes[0].counted_less), (Some(6), 0, 0));
+    let export = store.export("2026-11").unwrap().unwrap();
+    assert_eq!((export.len(), export[0].billable, export[0].status.s4), (1, 4, 2));
+    // December is still open.
+    assert!(!store.reconcile("2026-12", after).unwrap().unwrap().is_final);
+
+    // Node c lost window 2 for good (the store asked, the spool no longer held it):
+    // its own counts stand for it, as a correction.
+    let c = |seq, start, ok| window("c", seq, start, vec![row("k3", "search/query", [0, ok, 0, 0, 0], 1)]);
+    store.apply(&[c(1, DEC - 20, 2), c(3, DEC + 10, 1)], DEC, &none).unwrap();
+    assert!(
+        !store.reconcile("2026-11", after).unwrap().unwrap().is_final,
+        "a new node reopens nothing but is not reported"
+    );
+    store.put_counters(&own("c", 2, &[("k3", [0, 5, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(r.is_final, "{r:?}");
+    let node_c = r.nodes.iter().find(|n| n.node == "c").unwrap();
+    assert_eq!((node_c.calls, node_c.own_calls, node_c.corrected), (2, Some(5), 3), "{r:?}");
+    assert_eq!(r.billable, 4 + 5);
+    let k3 = |store: &UsageStore| store.totals("2026-11", Some("k3")).unwrap()[0].billable;
+    assert_eq!(k3(&store), 5);
+    // Reconciling again changes nothing.
+    assert_eq!(store.reconcile("2026-11", after).unwrap().unwrap().billable, 9);
+    // The window comes after all (it was late, not lost): the correction is taken back.
+    store.apply(&[c(2, DEC - 10, 3)], DEC, &none).unwrap();
+    assert!(!store.is_final("2026-11").unwrap());
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    let node_c = r.nodes.iter().find(|n| n.node == "c").unwrap();
+    assert_eq!((r.is_final, node_c.corrected, r.billable, k3(&store)), (true, 0, 9, 5), "{r:?}");
+    // Late: node c's first window (November was final then) and this one.
+    assert_eq!(r.late_windows, 2);
+    // A changed report reopens the period; an older one is ignored.
+    store.put_counters(&own("c", 2, &[("k3", [0, 6, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
+    assert!(!store.is_final("2026-11").unwrap());
+    store.put_counters(&own("c", 1, &[("k3", [0, 9, 0, 0, 0])], &[]), DEC).unwrap();
+    assert_eq!(store.counters("c", "2026-11").unwrap().map(|c| c.through), Some(2));
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert_eq!((r.is_final, r.billable, k3(&store)), (true, 10, 6), "{r:?}");
+    // A node that counts less than the store applied (its counters file was lost) is
+    // never corrected down.
+    store.apply(&[window("d", 1, DEC - 10, vec![row("k4", "search/query", [0, 3, 0, 0, 0], 1)])], DEC, &none).unwrap();
+    store.put_counters(&own("d", 1, &[("k4", [0, 1, 0, 0, 0])], &[]), DEC).unwrap();
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    let node_d = r.nodes.iter().find(|n| n.node == "d").unwrap();
+    assert_eq!((r.is_final, node_d.corrected, node_d.counted_less, r.billable), (true, 0, 2, 13), "{r:?}");
+    // Windows numbered past what the counts cover: the node numbers again.
+    store.apply(&[window("d", 2, DEC - 10, vec![row("k4", "search/query", [0, 1, 0, 0, 0], 1)])], DEC, &none).unwrap();
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("numbered past 1")), "{r:?}");
+    assert_eq!(store.reconcile("2026-13", after).unwrap().map(|r| r.period), None);
+}
+
+fn own(node: &str, through: u64, rows: &[(&str, [u64; 5])], unavailable: &[(u64, u64)]) -> NodeCounters {
+    let c = NodeCounters {
+        node: node.into(),
+        period: "2026-11".into(),
+        through,
+        rows: rows
+            .iter()
+            .map(|(caller, status)| postern_model::usage::CounterRow {
+                kind: CallerKind::Key,
+                caller: (*caller).into(),
+                product: "search".into(),
+                status: *status,
+            })
+            .collect(),
+        unavailable: unavailable.to_vec(),
+    };
+    assert_eq!(c.check(), Ok(()));
+    c
+}
+
+fn quotas(mode: QuotaMode, calls: u64, every: u64) -> Quotas {
+    let plans: BTreeMap<String, Plan> = [(
+        "metered".to_owned(),
+        Plan {
+            products: vec!["search".into()],
+            rate_limit: None,
+            app_rate_limit: None,
+            fail_closed: false,
+            quota: Some(Quota { calls, mode, anchor: postern_model::usage::Anchor::EverySeconds(every) }),
+            priority: None,
+        },
+    )]
+    .into();
+    let mut creds = Credentials::empty();
+    creds.keys = vec![postern_model::credentials::ApiKey {
+        id: "k1".into(),
+        sha256: "ab".repeat(32),
+        app: "a".into(),
+        tenant: "t".into(),
+        plan: "metered".into(),
+        scopes: vec![],
+        priority: Default::default(),
+        status: Default::default(),
+        successor: None,
+        expires_at: None,
+    }];
+    Quotas::new(&plans, &creds)
+}
+
+#[test]
+fn a_hard_quota_flags_its_caller_and_bills_no_overshoot() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Hard, 100, 60);
+    assert!(q.of(CallerKind::Key, "k1").is_some() && q.of(CallerKind::Key, "k2").is_none());
+    // 70 calls (and 5 refused ones, not billable), then 15: 80 % is passed.
+    let w = |seq, start, ok| window("a", seq, start, vec![row("k1", "search/query", [0, ok, 0, 5, 0], 4)]);
+    store.apply(&[w(1, DEC, 70)], DEC, &q).unwrap();
+    assert_eq!(store.events(0, 10, None).unwrap(), vec![], "70 of 100: nothing yet");
+    store.apply(&[w(2, DEC + 10, 15)], DEC + 11, &q).unwrap();
+    let events = store.events(0, 10, None).unwrap();
+    assert_eq!(events.iter().map(|e| (e.percent, e.used)).collect::<Vec<_>>(), vec![(80, 85)]);
+    assert_eq!(store.live_flags(DEC + 12).unwrap(), vec![], "not flagged below 100 %");
+    // 30 more: 100 % is passed in this window; 15 of them are overshoot. A duplicate
+    // delivery of it changes nothing.
+    store.apply(&[w(3, DEC + 20, 30)], DEC + 21, &q).unwrap();
+    store.apply(&[w(3, DEC + 20, 30)], DEC + 22, &q).unwrap();
+    let events = store.events(0, 10, None).unwrap();
+    assert_eq!(
+        events.iter().map(|e| (e.percent, e.kind.as_str())).collect::<Vec<_>>(),
+        vec![(80, "quota.warning"), (100, "quota.exhausted")]
+    );
+    let flags = store.live_flags(DEC + 22).unwrap();
+    assert_eq!(flags.len(), 1);
+    assert_eq!(
+        (flags[0].caller.as_str(), flags[0].until, flags[0].quota, flags[0].period_s),
+        ("k1", DEC + 60, 100, 60)
+    );
+    assert_eq!(store.live_flags(DEC + 60).unwrap(), vec![], "the flag lifts at the period's end");
+    // Calls admitted before the flag reached the nodes: overshoot, not billed.
+    store.apply(&[w(4, DEC + 30, 4)], DEC + 31, &q).unwrap();
+    let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+    assert_eq!((t.billable, t.overshoot, t.calls), (100, 19, 119 + 20));
+    assert_eq!(store.quota_use("k1", CallerKind::Key, "search", DEC + 30).unwrap(), Some((119, DEC, DEC + 60)));
+    // The next period starts from nothing.
+    store.apply(&[w(5, DEC + 60, 10)], DEC + 61, &q).unwrap();
+    assert_eq!(store.quota_use("k1", CallerKind::Key, "search", DEC + 60).unwrap(), Some((10, DEC + 60, DEC + 120)));
+    let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+    assert_eq!((t.billable, t.overshoot), (110, 19));
+    // The webhook's bookkeeping: an event taken is not offered again.
+    let due = store.events(0, 10, Some(DEC + 100)).unwrap();
+    assert_eq!(due.len(), 2);
+    store.delivered(due[0].id, true, 0).unwrap();
+    store.delivered(due[1].id, false, DEC + 200).unwrap();
+    assert_eq!(store.events(0, 10, Some(DEC + 100)).unwrap(), vec![], "one taken, one not due yet");
+    assert_eq!(store.events(0, 10, Some(DEC + 200)).unwrap().len(), 1);
+}
+
+#[test]
+fn an_overage_quota_warns_and_bills_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Overage, 10, 60);
+    store.apply(&[window("a", 1, DEC, vec![row("k1", "search/query", [0, 25, 0, 0, 0], 4)])], DEC, &q).unwrap();
+    assert_eq!(store.events(0, 10, None).unwrap().iter().map(|e| e.percent).collect::<Vec<_>>(), vec![80, 100]);
+    assert_eq!(store.live_flags(DEC).unwrap(), vec![], "overage is never blocked");
+    let t = &store.totals("2026-12", Some("k1")).unwrap()[0];
+    assert_eq!((t.billable, t.overshoot), (25, 0));
+}
+
+#[test]
+fn a_node_may_report_only_what_it_could_have_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Hard, 100, 60);
+    let ok = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 5, 0, 0, 0], 4)]);
+    store.apply(&[ok(1, DEC), ok(2, DEC + 10)], DEC + 20, &q).unwrap();
+    let before = (store.totals("2026-12", None).unwrap(), store.live_flags(DEC + 20).unwrap(), store.nodes().unwrap());
+    let rule = |r: Result<UsageAck, ApplyError>| match r {
+        Err(ApplyError::Refused(e)) => e.rule(),
+        other => panic!("not refused: {other:?}"),
+    };
+    // The year 10000, with a million calls: in the future, and no flag for anyone.
+    let far = window("a", 3, 253_402_300_800, vec![row("k1", "search/query", [0, 1_000_000, 0, 0, 0], 4)]);
+    assert_eq!(rule(store.apply(&[far], DEC + 20, &q)), "future_window");
+    // A clock a little ahead is allowed; more than CLOCK_ALLOWANCE_S is not.
+    assert_eq!(rule(store.apply(&[ok(3, DEC + 20 + CLOCK_ALLOWANCE_S + 10)], DEC + 20, &q)), "future_window");
+    // A number far above the node's highest.
+    assert_eq!(rule(store.apply(&[ok(3 + MAX_SEQ_GAP, DEC + 20)], DEC + 20, &q)), "seq_gap");
+    // Back-dated behind its own earlier window, or ahead of a later one.
+    assert_eq!(rule(store.apply(&[ok(3, DEC - 10)], DEC + 20, &q)), "time_order");
+    store.apply(&[ok(5, DEC + 40)], DEC + 40, &q).unwrap();
+    assert_eq!(rule(store.apply(&[ok(4, DEC + 50)], DEC + 50, &q)), "time_order");
+    // One refused window refuses its whole batch: the good one beside it is not applied.
+    assert_eq!(rule(store.apply(&[ok(4, DEC + 30), ok(6, DEC - 60)], DEC + 50, &q)), "time_order");
+    let after = (store.totals("2026-12", None).unwrap(), store.live_flags(DEC + 50).unwrap(), store.nodes().unwrap());
+    assert_eq!(after.0[0].billable, before.0[0].billable + 5, "only window 5 was added");
+    assert_eq!((after.1.len(), before.1.len()), (0, 0));
+    assert_eq!(after.2[0].last_seq, 5);
+    // The same windows in order are taken.
+    store.apply(&[ok(3, DEC + 20), ok(4, DEC + 30)], DEC + 50, &q).unwrap();
+    let refusals = store.refusals().unwrap();
+    let by_rule: Vec<(&str, u64)> = refusals.iter().map(|r| (r.rule.as_str(), r.count)).collect();
+    assert_eq!(by_rule, vec![("future_window", 2), ("seq_gap", 1), ("time_order", 3)]);
+    assert!(refusals.iter().all(|r| r.node == "a"));
+    // A re-send of a window already applied is a duplicate, whatever the clock says now.
+    assert_eq!(store.apply(&[ok(1, DEC)], DEC + 1_000_000, &q).unwrap().duplicates, 1);
+}
+
+#[test]
+fn a_late_window_of_a_period_already_over_flags_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let q = quotas(QuotaMode::Hard, 100, 60);
+    let w = |seq, start, ok| window("a", seq, start, vec![row("k1", "search/query", [0, ok, 0, 0, 0], 4)]);
+    // 120 calls of the period [DEC, DEC + 60) arrive after it ended: billed up to the
+    // quota, no flag on the period that holds now.
+    store.apply(&[w(1, DEC + 50, 120)], DEC + 70, &q).unwrap();
+    assert_eq!(store.live_flags(DEC + 70).unwrap(), vec![]);
+    // In the period that holds now, the same flags until that period's end.
+    store.apply(&[w(2, DEC + 60, 120)], DEC + 75, &q).unwrap();
+    let flags = store.live_flags(DEC + 75).unwrap();
+    assert_eq!(flags.iter().map(|f| f.until).collect::<Vec<_>>(), vec![DEC + 120]);
+}
+
+#[test]
+fn reconcile_asks_for_runs_whatever_the_counters_claim() {
+    let c = |through, unavailable: Vec<(u64, u64)>| NodeCounters {
+        node: "a".into(),
+        period: "2026-12".into(),
+        through,
+        rows: vec![],
+        unavailable,
+    };
+    assert!(c(u64::MAX, vec![]).check().is_err(), "through past MAX_SEQ");
+    assert!(c(10, vec![(5, u64::MAX)]).check().is_err(), "a run past through");
+    assert!(c(10, vec![(3, 4), (6, 10)]).check().is_ok());
+    assert_eq!(rfc3339(u64::MAX), "9999-12-31T23:59:59Z");
+    assert_eq!(rfc3339(DEC), "2026-12-01T00:00:00Z");
+}
