@@ -154,7 +154,14 @@ fn could_have_counted(tx: &rusqlite::Transaction<'_>, w: &Window, now: u64) -> R
     };
     let before = start_of("SELECT start FROM applied WHERE node = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT 1")?;
     let after = start_of("SELECT start FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq ASC LIMIT 1")?;
-    let sibling = start_of("SELECT start FROM applied WHERE node = ?1 AND seq = ?2 LIMIT 1")?;
+    let sibling: Option<u64> = tx
+        .query_row(
+            "SELECT start FROM applied WHERE node = ?1 AND seq = ?2 AND part <> ?3 LIMIT 1",
+            params![w.node, seq, w.part],
+            |r| r.get::<_, i64>(0),
+        )
+        .optional()?
+        .map(|s| s.max(0) as u64);
     if let Some(b) = before.filter(|&b| b > w.start) {
         return Err(refuse("time_order", format!("starts at {} s, before its predecessor's {b} s", w.start)));
     }
@@ -201,17 +208,6 @@ fn apply_in(conn: &mut Connection, windows: &[Window], now: u64, quotas: &Quotas
             // if nothing is.
             let mut fresh_parts = Vec::new();
             for w in delivery.split() {
-                let known = tx
-                    .query_row(
-                        "SELECT 1 FROM applied WHERE node = ?1 AND seq = ?2 AND part = ?3",
-                        params![w.node, sql_int(w.seq), w.part],
-                        |_| Ok(()),
-                    )
-                    .optional()?
-                    .is_some();
-                if !known {
-                    could_have_counted(&tx, &w, now)?;
-                }
                 let raw = serde_json::to_vec(&w).unwrap_or_default();
                 let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
                 let fresh = mark.execute(params![
@@ -226,6 +222,8 @@ fn apply_in(conn: &mut Connection, windows: &[Window], now: u64, quotas: &Quotas
                     raw
                 ])? == 1;
                 if fresh {
+                    // New: checked inside the transaction, so a refusal undoes its insert.
+                    could_have_counted(&tx, &w, now)?;
                     fresh_parts.push(w);
                     continue;
                 }
