@@ -44,7 +44,7 @@ pub(crate) fn wasm_filter(
         return None;
     }
     let module_path = manifest_path.parent().unwrap_or(&cx.root).join(&manifest.module);
-    let bytes = match std::fs::read(&module_path) {
+    let bytes = match postern_model::disk::read_untrusted(&module_path, postern_model::disk::MODULE_FILE_CAP) {
         Ok(b) => b,
         Err(e) => {
             cx.error(&manifest_path, "module", format!("cannot read {}: {e}", module_path.display()), owner);
