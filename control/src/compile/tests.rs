@@ -234,6 +234,19 @@ fn filters_rewrites_and_deprecations_are_checked() {
     assert!(e.contains("routes[0].bufferBody: a buffered body needs maxBodyBytes of at most 1 MiB"), "{e}");
     let e = error_of(&route("    match: { path: { value: /t } }\n    wasmFilters: [{ name: nothing-here }]\n"));
     assert!(e.contains("routes[0].wasmFilters[0].name: no filter manifest teams/t/filters/nothing-here.yaml"), "{e}");
+    // A manifest's module stays inside the team's filters/ folder.
+    for module in ["/dev/zero", "../../../secret.wasm", "./f.wasm", "a\\\\b.wasm"] {
+        let dir = repo_t(&route("    match: { path: { value: /t } }\n    wasmFilters: [{ name: f }]\n"));
+        write(dir.path(), "teams/t/filters/f.yaml", &format!("module: \"{module}\"\nlimits: {{}}\n"));
+        let e = compile(dir.path()).err().map(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>());
+        let shown = module.replace("\\\\", "\\");
+        assert_eq!(
+            e,
+            Some(vec![format!(
+                "teams/t/filters/f.yaml: module: {shown:?}: a file name inside teams/t/filters/ (no absolute path, '.' or '..') (owner: t)"
+            )])
+        );
+    }
     let e = error_of(&route(
         "    match: { path: { value: /t } }\n    wasmFilters: [{ name: f, quarantine: { failurePercent: 0 } }]\n",
     ));
