@@ -19,7 +19,7 @@ use postern_validate::Coding;
 
 use crate::cluster::Upstream;
 use crate::gateway::Gateway;
-use crate::request::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
+use crate::request::body::{Held, LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
 use crate::request::chain::{run_body_filters, run_request_filters};
 use crate::request::conn::ConnInfo;
 use crate::request::error::ProxyError;
@@ -31,7 +31,6 @@ use crate::request::retry::{Replay, exchange, retriable, retry};
 use crate::snapshot::{Backend, CompiledRoute, Live, Rewrite};
 use http::uri::Authority;
 use http_body_util::BodyExt;
-use postern_protect::Permit;
 use postern_transcode::Matched;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -132,7 +131,7 @@ struct Checked<'l> {
 /// [`Exchange::finish`]'s.
 async fn forward<'l>(
     gw: &'l Gateway,
-    conn: &'l ConnInfo,
+    conn: &'l Arc<ConnInfo>,
     live: &'l Live,
     ex: &mut Exchange<'l>,
     trace: u128,
@@ -166,10 +165,13 @@ async fn forward<'l>(
     }
     let checked = check_head(route, &parts, http_body::Body::is_end_stream(&body))?;
 
-    // Reserve the backend: a host, a place in the cluster's cap, the breaker's leave.
+    // Reserve the backend: a host, a place in the client's share of the cluster (once it
+    // is busy) and in its cap, the breaker's leave.
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
-    let permit = upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?;
+    let busy = upstream.in_flight() >= upstream.max_inflight / 2;
+    let client = conn.hold(upstream.max_inflight, busy).ok_or(ProxyError::ClientShare)?;
+    let held = Held { cluster: upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?, client };
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
     // Admitted to the backend: its answer (or failure) counts for it.
     ex.backend = backend.metrics.as_deref();
@@ -202,7 +204,7 @@ async fn forward<'l>(
     let (resp, waited) = send(route, backend, at, ticket, up, left, fate.as_deref(), &mut ex.marks, ex.start).await;
     ex.waited = waited;
     let resp = resp?;
-    answer(route, cx, checked.call.as_ref(), resp, Stall::new(idle, until), permit, compress, ex.start).await
+    answer(route, cx, checked.call.as_ref(), resp, Stall::new(idle, until), held, compress, ex.start).await
 }
 
 /// Route: one canonical request (one authority, one path), then its route in the
@@ -489,7 +491,7 @@ async fn answer(
     call: Option<&Matched<'_>>,
     resp: Response<Incoming>,
     stall: Stall,
-    permit: Permit,
+    mut held: Held,
     compress: Option<(u64, crate::request::compress::Coding, bool)>,
     start: Instant,
 ) -> Result<Response<ResponseBody>, Ending> {
@@ -499,11 +501,15 @@ async fn answer(
         return Err(ProxyError::UpstreamProtocol("the backend answered with an unsolicited 1xx").into());
     }
     let body = match call {
-        None => ResponseBody::Upstream { body: rb, stall, permit: Some(permit) },
+        None => {
+            // Handed to the client: until it asks for the body, the answer waits on it.
+            held.client.waits();
+            ResponseBody::Upstream { body: rb, stall, held: Some(held) }
+        }
         Some(m) => {
             let json = grpc_answer(m, &mut rp, rb, route.response_timeout, start).await?;
-            // The call is over: its place in the cluster's cap is free.
-            drop(permit);
+            // The call is over: its places are free.
+            drop(held);
             ResponseBody::full(json)
         }
     };
