@@ -3,6 +3,8 @@
 //! request of their streams cancelled, and while they last it holds at most its share of
 //! the busy cluster (`--client-share-percent`, `--address-share-percent`).
 
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 

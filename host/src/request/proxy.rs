@@ -165,13 +165,13 @@ async fn forward<'l>(
     }
     let checked = check_head(route, &parts, http_body::Body::is_end_stream(&body))?;
 
-    // Reserve the backend: a host, a place in the client's share of the cluster (once it
-    // is busy) and in its cap, the breaker's leave.
+    // Reserve the backend: a host, a place in the cluster's cap and in the client's share
+    // of it (once it is busy), the breaker's leave.
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
-    let busy = upstream.in_flight() >= upstream.max_inflight / 2;
-    let client = conn.hold(upstream.max_inflight, busy).ok_or(ProxyError::ClientShare)?;
-    let held = Held { cluster: upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?, client };
+    let cluster = upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?;
+    let busy = upstream.in_flight() > upstream.max_inflight / 2;
+    let held = Held { cluster, client: conn.hold(upstream.max_inflight, busy).ok_or(ProxyError::ClientShare)? };
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
     // Admitted to the backend: its answer (or failure) counts for it.
     ex.backend = backend.metrics.as_deref();
@@ -213,15 +213,15 @@ fn find_route<'l>(
     live: &'l Live,
     conn: &ConnInfo,
     parts: &mut http::request::Parts,
-) -> Result<(&'l CompiledRoute, HeaderValue), Ending> {
+) -> Result<(&'l CompiledRoute, HeaderValue), ProxyError> {
     crate::request::canon::path(parts, &live.paths)?;
     let routed = crate::request::canon::authority(parts)?;
     match live.router(conn.pool).find(&routed.host, &parts.method, parts.uri.path(), &parts.headers) {
         Match::Found(r) => Ok((r, routed.header)),
-        Match::NotFound => Err(ProxyError::RouteNotFound.into()),
+        Match::NotFound => Err(ProxyError::RouteNotFound),
         Match::MethodNotAllowed(allowed) => {
             let allow = HeaderValue::from_str(&allowed.to_allow_header()).unwrap_or(HeaderValue::from_static(""));
-            Err(ProxyError::MethodNotAllowed(allow).into())
+            Err(ProxyError::MethodNotAllowed(allow))
         }
     }
 }
@@ -235,15 +235,15 @@ fn hygiene(
     conn: &ConnInfo,
     host: &HeaderValue,
     parts: &mut http::request::Parts,
-) -> Result<(Option<Forwarding>, Option<usize>), Ending> {
+) -> Result<(Option<Forwarding>, Option<usize>), ProxyError> {
     // Content-Length is the fast path; counting bytes is the real limit.
     if let Some(len) = parts.headers.get(CONTENT_LENGTH) {
         match len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
             Some(n) if n > route.max_body_bytes => {
-                return Err(ProxyError::BodyTooLarge { limit: route.max_body_bytes }.into());
+                return Err(ProxyError::BodyTooLarge { limit: route.max_body_bytes });
             }
             Some(_) => {}
-            None => return Err(ProxyError::BadRequest("invalid Content-Length").into()),
+            None => return Err(ProxyError::BadRequest("invalid Content-Length")),
         }
     }
     // From a trusted hop, its X-Forwarded-For names the client (read before it goes).
@@ -276,7 +276,7 @@ fn choose_backend<'l>(
     live: &Live,
     cx: Option<&Context>,
     sticky: Option<usize>,
-) -> Result<&'l Backend, Ending> {
+) -> Result<&'l Backend, ProxyError> {
     let i = match sticky {
         Some(i) => i,
         None => match cx.and_then(Context::identity) {
@@ -284,12 +284,16 @@ fn choose_backend<'l>(
             id => route.pick(id.and_then(Identity::caller).map(|(_, caller)| &caller[..])),
         },
     };
-    Ok(route.backend(i).ok_or(ProxyError::NoEndpoint)?)
+    route.backend(i).ok_or(ProxyError::NoEndpoint)
 }
 
 /// Check the head, on routes that ask: the parameters and the body's media type before
 /// the body is read or the backend asked; the gRPC binding this method and path take.
-fn check_head<'l>(route: &'l CompiledRoute, parts: &http::request::Parts, empty: bool) -> Result<Checked<'l>, Ending> {
+fn check_head<'l>(
+    route: &'l CompiledRoute,
+    parts: &http::request::Parts,
+    empty: bool,
+) -> Result<Checked<'l>, ProxyError> {
     let admitted = match &route.validator {
         None => None,
         Some(v) => {
@@ -313,7 +317,7 @@ fn upstream_uri(
     endpoint: Authority,
     call: Option<&Matched<'_>>,
     parts: &mut http::request::Parts,
-) -> Result<Option<String>, Ending> {
+) -> Result<Option<String>, ProxyError> {
     let grpc_query = call.and_then(|_| parts.uri.query().map(str::to_owned));
     let pq = match &route.rewrite {
         _ if let Some(m) = call => {
