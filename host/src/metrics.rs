@@ -111,8 +111,26 @@ impl RouteMetrics {
     }
 }
 
+/// One counter per [`PROBLEM_CODES`] entry.
+#[derive(Debug)]
+pub(crate) struct Problems([AtomicU64; PROBLEM_CODES.len()]);
+
+impl Default for Problems {
+    fn default() -> Problems {
+        Problems(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+impl std::ops::Deref for Problems {
+    type Target = [AtomicU64];
+
+    fn deref(&self) -> &[AtomicU64] {
+        &self.0
+    }
+}
+
 /// Stable codes of responses the gateway makes itself, for the errors counter.
-pub const PROBLEM_CODES: [&str; 32] = [
+pub const PROBLEM_CODES: [&str; 33] = [
     "invalid_credentials",
     "insufficient_scope",
     "product_not_in_plan",
@@ -126,6 +144,7 @@ pub const PROBLEM_CODES: [&str; 32] = [
     "upstream_timeout",
     "upstream_protocol_error",
     "upstream_overloaded",
+    "client_share_exceeded",
     "circuit_open",
     "shed",
     "node_overloaded",
@@ -163,7 +182,7 @@ pub struct Metrics {
     pub(crate) filters: Mutex<BTreeMap<FilterKey, Arc<FilterStats>>>,
     /// Requests that matched no route.
     pub unrouted: RouteMetrics,
-    pub(crate) problems: [AtomicU64; PROBLEM_CODES.len()],
+    pub(crate) problems: Problems,
     /// Snapshots applied.
     pub reloads_ok: AtomicU64,
     /// Snapshots refused.
@@ -176,6 +195,9 @@ pub struct Metrics {
     pub connections_refused: AtomicU64,
     /// Client connections closed by the gateway: no first request in time, or idle.
     pub connections_timed_out: AtomicU64,
+    /// Client connections closed because an answer waited on the client to read it for
+    /// the send bound (`--downstream-idle-timeout-s`).
+    pub connections_stalled: AtomicU64,
     /// Credential states applied.
     pub credentials_ok: AtomicU64,
     /// Credential states refused.

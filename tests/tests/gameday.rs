@@ -199,7 +199,11 @@ fn world_with(node_flags: &[&str], catalog_at: Option<&str>) -> World {
     }
     let snap = repo.path().join("snapshot.json");
     repo.compile_ok(&snap);
-    let node = Node::start(&snap, node_flags);
+    // Every simulated client comes from one load generator on 127.0.0.1: as one client
+    // it would meet its share of a busy cluster (tested in slow_reader.rs) before the caps
+    // and breakers this game day is about.
+    let flags = [node_flags, &["--client-share-percent", "100", "--address-share-percent", "100"]].concat();
+    let node = Node::start(&snap, &flags);
     World { repo, node, search, orders, catalog, keys }
 }
 

@@ -180,6 +180,19 @@ pub struct Args {
     /// either direction. HTTP/1 waits at most 10 s between requests (its header timeout).
     #[arg(long, default_value_t = 60)]
     pub idle_timeout_s: u64,
+    /// The send bound: a connection whose client has taken nothing of an answer it was
+    /// sent for this long (a zero HTTP/2 window, a full socket) is closed and the backend
+    /// requests of its streams cancelled, in seconds (nginx `send_timeout`).
+    #[arg(long, default_value_t = 10)]
+    pub downstream_idle_timeout_s: u64,
+    /// Once a cluster holds half its cap or more, one client connection may hold at most
+    /// this percentage of the cap (503 `client_share_exceeded` past it). Connections
+    /// from `--trusted-hops` have no share.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub client_share_percent: u8,
+    /// The same for all the connections of one source address on a listener.
+    #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(u8).range(1..=100))]
+    pub address_share_percent: u8,
     /// The node sheds requests by priority (sheddable first, then free, then standard)
     /// while its CPU is at this percentage of its cores or more, measured each 250 ms
     /// over the last second; 0 never sheds on CPU (clusters still shed on their own

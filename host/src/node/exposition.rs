@@ -128,7 +128,7 @@ impl Metrics {
         }
         out.push_str("# HELP postern_gateway_errors_total Responses the gateway made itself, by code.\n");
         out.push_str("# TYPE postern_gateway_errors_total counter\n");
-        for (code, c) in PROBLEM_CODES.iter().zip(&self.problems) {
+        for (code, c) in PROBLEM_CODES.iter().zip(self.problems.iter()) {
             let _ = writeln!(out, "postern_gateway_errors_total{{code=\"{code}\"}} {}", c.load(Ordering::Relaxed));
         }
         let filters: Vec<(FilterKey, Arc<FilterStats>)> = {
@@ -162,6 +162,12 @@ impl Metrics {
                 "counter",
                 "Client connections closed for sending no request in time or idling.",
                 &self.connections_timed_out,
+            ),
+            (
+                "postern_connections_stalled_total",
+                "counter",
+                "Client connections closed because an answer waited on the client for the send bound.",
+                &self.connections_stalled,
             ),
             (
                 "postern_credentials_version",

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use hyper::service::service_fn;
@@ -32,6 +32,10 @@ pub struct ConnLimits {
     pub handshake: Duration,
     /// No request in flight and no bytes moving.
     pub idle: Duration,
+    /// The send bound: an answer the client takes nothing of.
+    pub send: Duration,
+    /// A client's share of a busy cluster.
+    pub shares: crate::request::conn::Shares,
 }
 
 impl ConnLimits {
@@ -42,21 +46,29 @@ impl ConnLimits {
             max_per_ip: a.max_connections_per_ip.max(1),
             handshake: Duration::from_secs(a.handshake_timeout_s.max(1)),
             idle: Duration::from_secs(a.idle_timeout_s.max(1)),
+            send: Duration::from_secs(a.downstream_idle_timeout_s.max(1)),
+            shares: crate::request::conn::Shares {
+                connection: a.client_share_percent,
+                address: a.address_share_percent,
+            },
         }
     }
 }
 
-/// A listener's open connections, in all and per source address.
+/// A listener's open connections, in all and per source address (with the address's
+/// backend requests in flight, for its share of a busy cluster).
 #[derive(Debug, Default)]
 struct Slots {
     open: std::sync::atomic::AtomicUsize,
-    per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, u32>>,
+    per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, (u32, Arc<AtomicU32>)>>,
 }
 
 /// One connection's place in its listener's [`Slots`], given back on drop.
 struct Slot {
     slots: Arc<Slots>,
     ip: std::net::IpAddr,
+    /// The address's backend requests in flight.
+    held: Arc<AtomicU32>,
 }
 
 impl Slots {
@@ -68,21 +80,22 @@ impl Slots {
             return None;
         }
         let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        let n = map.entry(ip).or_insert(0);
+        let (n, held) = map.entry(ip).or_default();
         if *n >= limits.max_per_ip {
             drop(map);
             self.open.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
         *n += 1;
-        Some(Slot { slots: self.clone(), ip })
+        let held = held.clone();
+        Some(Slot { slots: self.clone(), ip, held })
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut map = self.slots.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = map.get_mut(&self.ip) {
+        if let Some((n, _)) = map.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
                 map.remove(&self.ip);
@@ -228,13 +241,18 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
 
 /// Runs one connection to its end under its watchdog: closed when no first request
 /// arrives within the handshake timeout, or when it idles (no request in flight, no
-/// bytes moving) for the idle timeout; drained gracefully on shutdown. A macro because
-/// the connection's type differs with its stack (TLS or not, HTTP/1 checked or not).
+/// bytes moving) for the idle timeout; drained gracefully on shutdown; dropped at once,
+/// with every backend request of its streams, when an answer waited on the client
+/// through the send bound. A macro because the connection's type differs with its stack
+/// (TLS or not, HTTP/1 checked or not).
 macro_rules! drive {
-    ($conn:expr, $activity:expr, $limits:expr, $stop:expr, $metrics:expr) => {{
+    ($conn:expr, $activity:expr, $info:expr, $limits:expr, $stop:expr, $metrics:expr) => {{
         let conn = $conn;
         tokio::pin!(conn);
         let (activity, limits, metrics): (&Activity, &ConnLimits, &Metrics) = (&$activity, &$limits, &$metrics);
+        let info: &ConnInfo = &$info;
+        let send_period = limits.send / u32::from(crate::request::conn::SEND_TICKS);
+        let mut send_tick = tokio::time::interval_at(tokio::time::Instant::now() + send_period, send_period);
         let mut stop = $stop;
         let first = tokio::time::sleep(limits.handshake);
         tokio::pin!(first);
@@ -272,6 +290,13 @@ macro_rules! drive {
                     conn.as_mut().graceful_shutdown();
                     closing = true;
                 }
+                _ = send_tick.tick() => {
+                    if info.sending.tick() {
+                        metrics.connections_stalled.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(peer = %info.peer, "an answer waited on its client for the send bound; closed");
+                        break Ok(());
+                    }
+                }
             }
         }
     }};
@@ -294,6 +319,7 @@ async fn serve_conn(
     let activity = Arc::new(Activity::default());
     let stream = Watched { inner: stream, activity: activity.clone() };
     let act = activity.clone();
+    let watched = info.clone();
     let svc = service_fn(move |req| {
         let gw = gw.clone();
         let info = info.clone();
@@ -307,16 +333,16 @@ async fn serve_conn(
     let result = match tls {
         None => {
             let io = TokioIo::new(crate::request::framing::Strict::new(stream));
-            drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
+            drive!(builder.serve_connection(io, svc).into_owned(), activity, watched, limits, stop, metrics)
         }
         Some(acceptor) => match tokio::time::timeout(limits.handshake, acceptor.accept(stream)).await {
             Ok(Ok(tls_stream)) => {
                 if tls_stream.get_ref().1.alpn_protocol() == Some(b"h2") {
                     let io = TokioIo::new(tls_stream);
-                    drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
+                    drive!(builder.serve_connection(io, svc).into_owned(), activity, watched, limits, stop, metrics)
                 } else {
                     let io = TokioIo::new(crate::request::framing::Strict::new(tls_stream));
-                    drive!(builder.serve_connection(io, svc).into_owned(), activity, limits, stop, metrics)
+                    drive!(builder.serve_connection(io, svc).into_owned(), activity, watched, limits, stop, metrics)
                 }
             }
             Ok(Err(e)) => {
@@ -366,7 +392,7 @@ pub(crate) async fn accept_loop(
             drop(stream);
             continue;
         };
-        let info = Arc::new(ConnInfo::new(pool, peer, tls.is_some(), &hops));
+        let info = Arc::new(ConnInfo::new(pool, peer, tls.is_some(), &hops, limits.shares, slot.held.clone()));
         tokio::spawn(serve_conn(gw.clone(), builder.clone(), tls.clone(), stream, info, limits, slot, stop.clone()));
     }
 }

@@ -272,8 +272,8 @@ pub enum ResponseBody {
         body: Incoming,
         /// Bounds the wait for each frame.
         stall: Stall,
-        /// The place in the cluster's cap.
-        permit: Option<postern_protect::Permit>,
+        /// Its places in the cluster's cap and its client's share, until it ends.
+        held: Option<Held>,
     },
     /// Made by the gateway (problem+json, admin pages).
     Full(Option<Bytes>),
@@ -282,6 +282,17 @@ pub enum ResponseBody {
     /// Counted as it streams for the access log, which gets its record when the body
     /// ends, fails or is dropped (the client left).
     Observed(Box<Observed>),
+}
+
+/// What an answer streamed from a backend holds until it ends: its place in the
+/// cluster's cap and in its client's share; the latter also marks the answer as waiting
+/// on the client while the client has not taken what it was given (the send bound).
+#[derive(Debug)]
+pub struct Held {
+    /// The place in the cluster's cap.
+    pub cluster: postern_protect::Permit,
+    /// The place in the client's share.
+    pub client: crate::request::conn::ClientPlace,
 }
 
 /// A body whose request is logged: its bytes are counted, and its end completes the
@@ -358,21 +369,29 @@ impl Body for ResponseBody {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.get_mut() {
-            ResponseBody::Upstream { body, stall, permit } => match Pin::new(body).poll_frame(cx) {
-                Poll::Pending => match stall.expired(cx) {
-                    None => Poll::Pending,
-                    Some(Bound::Idle(after)) => Poll::Ready(Some(Err(ResponseBodyError::Stalled(after)))),
-                    Some(Bound::Total) => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
-                },
-                Poll::Ready(Some(Ok(_))) if !stall.progress() => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
-                Poll::Ready(r) => {
-                    if r.is_none() {
-                        // Ended: the cluster's connection is free again.
-                        *permit = None;
-                    }
-                    Poll::Ready(r.map(|f| f.map_err(ResponseBodyError::from)))
+            ResponseBody::Upstream { body, stall, held } => {
+                // Polled: the client took what it was given.
+                if let Some(h) = held.as_mut() {
+                    h.client.taken();
                 }
-            },
+                match Pin::new(&mut *body).poll_frame(cx) {
+                    Poll::Pending => match stall.expired(cx) {
+                        None => Poll::Pending,
+                        Some(Bound::Idle(after)) => Poll::Ready(Some(Err(ResponseBodyError::Stalled(after)))),
+                        Some(Bound::Total) => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
+                    },
+                    Poll::Ready(Some(Ok(_))) if !stall.progress() => Poll::Ready(Some(Err(ResponseBodyError::TooLong))),
+                    Poll::Ready(r) => {
+                        match held.as_mut() {
+                            // Ended: the cluster's connection is free again.
+                            Some(_) if r.is_none() => *held = None,
+                            Some(h) if !body.is_end_stream() => h.client.waits(),
+                            _ => {}
+                        }
+                        Poll::Ready(r.map(|f| f.map_err(ResponseBodyError::from)))
+                    }
+                }
+            }
             ResponseBody::Full(b) => Poll::Ready(b.take().map(|d| Ok(Frame::data(d)))),
             ResponseBody::Observed(o) => {
                 let polled = Pin::new(&mut o.inner).poll_frame(cx);

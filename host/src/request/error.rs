@@ -75,6 +75,9 @@ pub enum ProxyError {
     /// The route's cluster has as many requests in flight as its connection cap.
     #[error("the route's cluster is at its connection cap")]
     UpstreamOverloaded,
+    /// The route's cluster is busy and this client already holds its share of it.
+    #[error("the route's cluster is busy and this client holds its share of it")]
+    ClientShare,
     /// The node is serving as many requests as its admission budget allows this pool.
     #[error("the gateway is serving as many requests as it may; try again shortly")]
     NodeOverloaded,
@@ -143,6 +146,7 @@ impl ProxyError {
             | ProxyError::Encoding(_)
             | ProxyError::Decode(_) => Origin::Downstream,
             ProxyError::UpstreamOverloaded
+            | ProxyError::ClientShare
             | ProxyError::Shed(_)
             | ProxyError::NodeOverloaded
             | ProxyError::CircuitOpen(_)

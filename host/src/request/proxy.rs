@@ -19,7 +19,7 @@ use postern_validate::Coding;
 
 use crate::cluster::Upstream;
 use crate::gateway::Gateway;
-use crate::request::body::{LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
+use crate::request::body::{Held, LimitedBody, ResponseBody, Stall, UpstreamBody, is_too_large};
 use crate::request::chain::{run_body_filters, run_request_filters};
 use crate::request::conn::ConnInfo;
 use crate::request::error::ProxyError;
@@ -31,7 +31,6 @@ use crate::request::retry::{Replay, exchange, retriable, retry};
 use crate::snapshot::{Backend, CompiledRoute, Live, Rewrite};
 use http::uri::Authority;
 use http_body_util::BodyExt;
-use postern_protect::Permit;
 use postern_transcode::Matched;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -132,7 +131,7 @@ struct Checked<'l> {
 /// [`Exchange::finish`]'s.
 async fn forward<'l>(
     gw: &'l Gateway,
-    conn: &'l ConnInfo,
+    conn: &'l Arc<ConnInfo>,
     live: &'l Live,
     ex: &mut Exchange<'l>,
     trace: u128,
@@ -166,10 +165,13 @@ async fn forward<'l>(
     }
     let checked = check_head(route, &parts, http_body::Body::is_end_stream(&body))?;
 
-    // Reserve the backend: a host, a place in the cluster's cap, the breaker's leave.
+    // Reserve the backend: a host, a place in the cluster's cap and in the client's share
+    // of it (once it is busy), the breaker's leave.
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
-    let permit = upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?;
+    let cluster = upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?;
+    let busy = upstream.in_flight() > upstream.max_inflight / 2;
+    let held = Held { cluster, client: conn.hold(upstream.max_inflight, busy).ok_or(ProxyError::ClientShare)? };
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;
     // Admitted to the backend: its answer (or failure) counts for it.
     ex.backend = backend.metrics.as_deref();
@@ -202,7 +204,7 @@ async fn forward<'l>(
     let (resp, waited) = send(route, backend, at, ticket, up, left, fate.as_deref(), &mut ex.marks, ex.start).await;
     ex.waited = waited;
     let resp = resp?;
-    answer(route, cx, checked.call.as_ref(), resp, Stall::new(idle, until), permit, compress, ex.start).await
+    answer(route, cx, checked.call.as_ref(), resp, Stall::new(idle, until), held, compress, ex.start).await
 }
 
 /// Route: one canonical request (one authority, one path), then its route in the
@@ -211,15 +213,15 @@ fn find_route<'l>(
     live: &'l Live,
     conn: &ConnInfo,
     parts: &mut http::request::Parts,
-) -> Result<(&'l CompiledRoute, HeaderValue), Ending> {
+) -> Result<(&'l CompiledRoute, HeaderValue), ProxyError> {
     crate::request::canon::path(parts, &live.paths)?;
     let routed = crate::request::canon::authority(parts)?;
     match live.router(conn.pool).find(&routed.host, &parts.method, parts.uri.path(), &parts.headers) {
         Match::Found(r) => Ok((r, routed.header)),
-        Match::NotFound => Err(ProxyError::RouteNotFound.into()),
+        Match::NotFound => Err(ProxyError::RouteNotFound),
         Match::MethodNotAllowed(allowed) => {
             let allow = HeaderValue::from_str(&allowed.to_allow_header()).unwrap_or(HeaderValue::from_static(""));
-            Err(ProxyError::MethodNotAllowed(allow).into())
+            Err(ProxyError::MethodNotAllowed(allow))
         }
     }
 }
@@ -233,15 +235,15 @@ fn hygiene(
     conn: &ConnInfo,
     host: &HeaderValue,
     parts: &mut http::request::Parts,
-) -> Result<(Option<Forwarding>, Option<usize>), Ending> {
+) -> Result<(Option<Forwarding>, Option<usize>), ProxyError> {
     // Content-Length is the fast path; counting bytes is the real limit.
     if let Some(len) = parts.headers.get(CONTENT_LENGTH) {
         match len.to_str().ok().and_then(|s| s.parse::<u64>().ok()) {
             Some(n) if n > route.max_body_bytes => {
-                return Err(ProxyError::BodyTooLarge { limit: route.max_body_bytes }.into());
+                return Err(ProxyError::BodyTooLarge { limit: route.max_body_bytes });
             }
             Some(_) => {}
-            None => return Err(ProxyError::BadRequest("invalid Content-Length").into()),
+            None => return Err(ProxyError::BadRequest("invalid Content-Length")),
         }
     }
     // From a trusted hop, its X-Forwarded-For names the client (read before it goes).
@@ -274,7 +276,7 @@ fn choose_backend<'l>(
     live: &Live,
     cx: Option<&Context>,
     sticky: Option<usize>,
-) -> Result<&'l Backend, Ending> {
+) -> Result<&'l Backend, ProxyError> {
     let i = match sticky {
         Some(i) => i,
         None => match cx.and_then(Context::identity) {
@@ -282,12 +284,16 @@ fn choose_backend<'l>(
             id => route.pick(id.and_then(Identity::caller).map(|(_, caller)| &caller[..])),
         },
     };
-    Ok(route.backend(i).ok_or(ProxyError::NoEndpoint)?)
+    route.backend(i).ok_or(ProxyError::NoEndpoint)
 }
 
 /// Check the head, on routes that ask: the parameters and the body's media type before
 /// the body is read or the backend asked; the gRPC binding this method and path take.
-fn check_head<'l>(route: &'l CompiledRoute, parts: &http::request::Parts, empty: bool) -> Result<Checked<'l>, Ending> {
+fn check_head<'l>(
+    route: &'l CompiledRoute,
+    parts: &http::request::Parts,
+    empty: bool,
+) -> Result<Checked<'l>, ProxyError> {
     let admitted = match &route.validator {
         None => None,
         Some(v) => {
@@ -311,7 +317,7 @@ fn upstream_uri(
     endpoint: Authority,
     call: Option<&Matched<'_>>,
     parts: &mut http::request::Parts,
-) -> Result<Option<String>, Ending> {
+) -> Result<Option<String>, ProxyError> {
     let grpc_query = call.and_then(|_| parts.uri.query().map(str::to_owned));
     let pq = match &route.rewrite {
         _ if let Some(m) = call => {
@@ -489,7 +495,7 @@ async fn answer(
     call: Option<&Matched<'_>>,
     resp: Response<Incoming>,
     stall: Stall,
-    permit: Permit,
+    mut held: Held,
     compress: Option<(u64, crate::request::compress::Coding, bool)>,
     start: Instant,
 ) -> Result<Response<ResponseBody>, Ending> {
@@ -499,11 +505,15 @@ async fn answer(
         return Err(ProxyError::UpstreamProtocol("the backend answered with an unsolicited 1xx").into());
     }
     let body = match call {
-        None => ResponseBody::Upstream { body: rb, stall, permit: Some(permit) },
+        None => {
+            // Handed to the client: until it asks for the body, the answer waits on it.
+            held.client.waits();
+            ResponseBody::Upstream { body: rb, stall, held: Some(held) }
+        }
         Some(m) => {
             let json = grpc_answer(m, &mut rp, rb, route.response_timeout, start).await?;
-            // The call is over: its place in the cluster's cap is free.
-            drop(permit);
+            // The call is over: its places are free.
+            drop(held);
             ResponseBody::full(json)
         }
     };

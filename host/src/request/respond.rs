@@ -37,6 +37,8 @@ pub fn error(e: &ProxyError) -> Problem {
         }
         ProxyError::UpstreamOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "upstream_overloaded", detail)
             .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
+        ProxyError::ClientShare => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "client_share_exceeded", detail)
+            .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
         ProxyError::NodeOverloaded => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "node_overloaded", detail)
             .with_header(http::header::RETRY_AFTER, HeaderValue::from_static("1")),
         ProxyError::Shed(_) => Problem::new(StatusCode::SERVICE_UNAVAILABLE, "shed", detail)
@@ -161,5 +163,6 @@ mod tests {
         assert_eq!(shed.headers[http::header::RETRY_AFTER], "1");
         assert_eq!(shed.detail, "overloaded: free requests are being shed; try again shortly");
         assert_eq!(error(&ProxyError::UpstreamOverloaded).headers[http::header::RETRY_AFTER], "1");
+        assert_eq!(error(&ProxyError::ClientShare).headers[http::header::RETRY_AFTER], "1");
     }
 }
