@@ -255,7 +255,7 @@ async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &
 
 async fn blocking<T: Send + 'static>(
     usage: &Arc<UsageStore>,
-    f: impl FnOnce(&UsageStore) -> rusqlite::Result<T> + Send + 'static,
+    f: impl FnOnce(&UsageStore) -> Result<T, crate::usage::DbError> + Send + 'static,
 ) -> Result<T, String> {
     let usage = usage.clone();
     match tokio::task::spawn_blocking(move || f(&usage)).await {

@@ -162,7 +162,7 @@ impl Server {
     /// Runs `f` on the usage store off the async workers.
     pub(super) async fn usage_read(
         &self,
-        f: impl FnOnce(&UsageStore) -> rusqlite::Result<serde_json::Value> + Send + 'static,
+        f: impl FnOnce(&UsageStore) -> Result<serde_json::Value, crate::usage::DbError> + Send + 'static,
     ) -> Response<Body> {
         let Some(store) = self.usage.clone() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
@@ -196,6 +196,16 @@ impl Server {
             (Ok(_), Ok(_)) => return error(StatusCode::BAD_REQUEST, "from must be before to"),
             (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
         };
+        // A team reads every caller's rows of its routes: its range is bounded (the
+        // default, this month so far, is cut at the bound).
+        let max = crate::usage::MAX_TEAM_RANGE_S;
+        let to = if team.is_some() && get("to").is_none() { to.min(from.saturating_add(max)) } else { to };
+        if team.is_some() && to - from > max {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("team_range: a team's query spans at most {} days; narrow from and to", max / 86_400),
+            );
+        }
         let q = Query { caller: get("key"), product: get("product"), team: team.map(str::to_owned), from, to, by };
         let by_name = get("by").unwrap_or_else(|| "route".into());
         self.usage_read(move |u| {

@@ -1,17 +1,29 @@
-//! The usage database: one SQLite file in WAL mode, its tables, and the migrations of
-//! stores made by older versions.
+//! The usage database: one SQLite file in WAL mode or a PostgreSQL database, its tables,
+//! the migrations of SQLite stores made by older versions, and the transaction every
+//! reader and writer runs in.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 use postern_model::usage::{LATENCY_BUCKETS, Window};
 use rusqlite::{Connection, params};
 
+use super::db::{DbError, Sql, SqliteTx, TxError};
+use super::pg::Pool;
+
 /// The usage database of a control plane.
 #[derive(Debug)]
 pub struct UsageStore {
-    conn: Mutex<Connection>,
-    path: PathBuf,
+    engine: Engine,
+    location: String,
+}
+
+#[derive(Debug)]
+enum Engine {
+    /// One connection: one transaction at a time.
+    Sqlite(Mutex<Connection>),
+    /// A bounded pool: batches, queries and reconciles side by side.
+    Postgres(Pool),
 }
 
 /// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
@@ -40,12 +52,12 @@ fn migrate_applied(conn: &Connection) -> anyhow::Result<()> {
                 let calls: u64 = p.rows.iter().map(|r| r.calls()).sum();
                 insert.execute(params![
                     p.node,
-                    sql_int(p.seq),
+                    i64::try_from(p.seq)?,
                     p.part,
                     p.parts,
-                    sql_int(p.start),
+                    i64::try_from(p.start)?,
                     p.recovered,
-                    sql_int(calls),
+                    i64::try_from(calls)?,
                     received,
                     serde_json::to_vec(&p)?
                 ])?;
@@ -129,23 +141,63 @@ impl UsageStore {
         if !has_overshoot {
             conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
         }
-        Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
+        Ok(UsageStore { engine: Engine::Sqlite(Mutex::new(conn)), location: path.display().to_string() })
     }
 
-    /// Where the database is.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Opens the usage store in PostgreSQL database `url` (`postgres://…`), creating its
+    /// tables if missing and dropping per-minute rows older than the months kept.
+    pub fn open_postgres(url: &str) -> anyhow::Result<UsageStore> {
+        let pool = Pool::new(url)?;
+        pool.migrate(postern_model::disk::unix_now())?;
+        let location = without_password(url);
+        Ok(UsageStore { engine: Engine::Postgres(pool), location })
     }
 
-    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    /// Opens `spec`: a `postgres://` or `postgresql://` URL, or a SQLite file's path.
+    pub fn open_spec(spec: &str) -> anyhow::Result<UsageStore> {
+        if crate::store::is_postgres(spec) { Self::open_postgres(spec) } else { Self::open(Path::new(spec)) }
+    }
+
+    /// Where the database is: a file, or a PostgreSQL URL (without its password).
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// Runs `f` in one transaction, committed if it returns `Ok` and rolled back
+    /// otherwise; on PostgreSQL, run again when aborted for a serialization failure or a
+    /// deadlock.
+    pub(crate) fn tx<T, E: TxError>(&self, mut f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+        match &self.engine {
+            Engine::Sqlite(conn) => {
+                let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+                let tx = conn.transaction().map_err(DbError::from)?;
+                let v = f(&mut SqliteTx(&tx))?;
+                tx.commit().map_err(DbError::from)?;
+                Ok(v)
+            }
+            Engine::Postgres(pool) => pool.tx(f),
+        }
+    }
+
+    /// The PostgreSQL pool, if the store is on PostgreSQL.
+    pub(crate) fn pool(&self) -> Option<&Pool> {
+        match &self.engine {
+            Engine::Postgres(p) => Some(p),
+            Engine::Sqlite(_) => None,
+        }
     }
 }
 
-/// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
-/// clamped rather than wrapped if they ever did.
-pub(crate) fn sql_int(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
+/// `url` with its password (if any) left out, to print.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}@{host}")
+        }
+        None => url.to_owned(),
+    }
 }
 
 pub(crate) fn round2(x: f64) -> f64 {
