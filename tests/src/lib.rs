@@ -676,7 +676,7 @@ pub mod control_plane {
 
     impl PgDb {
         /// Creates a uniquely named database.
-        pub fn new() -> PgDb {
+        pub fn create() -> PgDb {
             let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
             let name = format!("postern_e2e_{}_{nanos}", std::process::id());
             psql(&format!("CREATE DATABASE {name}"));

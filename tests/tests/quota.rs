@@ -99,7 +99,7 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is_never_refused() {
-    hard_and_overage(Some(PgDb::new())).await;
+    hard_and_overage(Some(PgDb::create())).await;
 }
 
 /// The quota flow with a control plane on a directory store (usage in SQLite), or all in

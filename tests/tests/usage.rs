@@ -71,7 +71,7 @@ async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
-    billed_once_and_bad_windows_change_nothing(fleet_on(Some(PgDb::new()))).await;
+    billed_once_and_bad_windows_change_nothing(fleet_on(Some(PgDb::create()))).await;
 }
 
 async fn billed_once_and_bad_windows_change_nothing(fleet: Fleet) {
@@ -553,7 +553,7 @@ async fn a_node_token_cannot_report_calls_no_node_could_have_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_node_token_cannot_report_calls_no_node_could_have_counted() {
-    no_node_could_have_counted(fleet_on(Some(PgDb::new()))).await;
+    no_node_could_have_counted(fleet_on(Some(PgDb::create()))).await;
 }
 
 async fn no_node_could_have_counted(fleet: Fleet) {

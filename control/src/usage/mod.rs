@@ -61,4 +61,4 @@ pub use self::queries::{
 pub use self::quota::{QuotaEvent, Quotas};
 pub use self::reconcile::{CLOSE_GRACE_S, PeriodNode, Reconciled};
 pub use self::render::{CHART_WIDTH, chart, parse_last, table};
-pub use self::store::UsageStore;
+pub use self::store::{UsageStore, WorkerError};

@@ -332,8 +332,8 @@ fn compare(
         &vals![&own.node, &own.period],
     )? {
         let d = delta.entry((r.text(0)?, r.text(1)?, r.text(2)?)).or_default();
-        for i in 0..5 {
-            d[i] = d[i].checked_sub(r.int(3 + i)?).ok_or(DbError::Overflow)?;
+        for (i, d) in d.iter_mut().enumerate() {
+            *d = d.checked_sub(r.int(3 + i)?).ok_or(DbError::Overflow)?;
         }
     }
     let sets = ["billable", "s1", "s2", "s3", "s4", "s5"].map(|c| add("totals", c)).join(", ");

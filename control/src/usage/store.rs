@@ -16,6 +16,56 @@ use super::pg::Pool;
 pub struct UsageStore {
     engine: Engine,
     location: String,
+    workers: Workers,
+}
+
+/// Work the store runs on its own threads.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The store's own blocking workers: the intake, queries and reconciles wait for these
+/// and never take tokio's blocking pool, which publish and key revocation use. As many as
+/// the engine runs side by side; the queue is bounded.
+#[derive(Debug)]
+struct Workers {
+    queue: std::sync::mpsc::SyncSender<Job>,
+}
+
+/// Jobs waiting for a worker at most; past that the store answers busy.
+const QUEUE: usize = 1024;
+
+impl Workers {
+    fn start(n: usize) -> anyhow::Result<Workers> {
+        let (queue, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUE);
+        let rx = std::sync::Arc::new(Mutex::new(rx));
+        for i in 0..n {
+            let rx = rx.clone();
+            std::thread::Builder::new().name(format!("usage-store-{i}")).spawn(move || {
+                loop {
+                    let job = {
+                        let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+                        rx.recv()
+                    };
+                    // The store is gone once its queue is.
+                    let Ok(job) = job else { break };
+                    // A job that panics drops its answer (the caller sees the store fail);
+                    // the worker stays.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })?;
+        }
+        Ok(Workers { queue })
+    }
+}
+
+/// The store's workers did not take or finish a job.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Every worker is busy and the queue is full.
+    #[error("usage store busy: {QUEUE} jobs waiting")]
+    Busy,
+    /// The job failed without an answer.
+    #[error("usage store: a job failed without an answer")]
+    Lost,
 }
 
 #[derive(Debug)]
@@ -23,7 +73,7 @@ enum Engine {
     /// One connection: one transaction at a time.
     Sqlite(Mutex<Connection>),
     /// A bounded pool: batches, queries and reconciles side by side.
-    Postgres(Pool),
+    Postgres(Box<Pool>),
 }
 
 /// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
@@ -141,7 +191,11 @@ impl UsageStore {
         if !has_overshoot {
             conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
         }
-        Ok(UsageStore { engine: Engine::Sqlite(Mutex::new(conn)), location: path.display().to_string() })
+        Ok(UsageStore {
+            engine: Engine::Sqlite(Mutex::new(conn)),
+            location: path.display().to_string(),
+            workers: Workers::start(SQLITE_WORKERS)?,
+        })
     }
 
     /// Opens the usage store in PostgreSQL database `url` (`postgres://…`), creating its
@@ -150,12 +204,31 @@ impl UsageStore {
         let pool = Pool::new(url)?;
         pool.migrate(postern_model::disk::unix_now())?;
         let location = without_password(url);
-        Ok(UsageStore { engine: Engine::Postgres(pool), location })
+        Ok(UsageStore {
+            engine: Engine::Postgres(Box::new(pool)),
+            location,
+            workers: Workers::start(super::pg::POOL_SIZE)?,
+        })
     }
 
     /// Opens `spec`: a `postgres://` or `postgresql://` URL, or a SQLite file's path.
     pub fn open_spec(spec: &str) -> anyhow::Result<UsageStore> {
         if crate::store::is_postgres(spec) { Self::open_postgres(spec) } else { Self::open(Path::new(spec)) }
+    }
+
+    /// Runs `f` on the store's own workers (off the async workers and off tokio's
+    /// blocking pool) and waits for its answer.
+    pub async fn run<T: Send + 'static>(
+        self: &std::sync::Arc<Self>,
+        f: impl FnOnce(&UsageStore) -> T + Send + 'static,
+    ) -> Result<T, WorkerError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        let job: Job = Box::new(move || {
+            let _ = tx.send(f(&store));
+        });
+        self.workers.queue.try_send(job).map_err(|_| WorkerError::Busy)?;
+        rx.await.map_err(|_| WorkerError::Lost)
     }
 
     /// Where the database is: a file, or a PostgreSQL URL (without its password).
@@ -187,6 +260,10 @@ impl UsageStore {
         }
     }
 }
+
+/// Workers of a SQLite store: its one connection runs one transaction at a time; a second
+/// worker prepares the next job's arguments meanwhile.
+const SQLITE_WORKERS: usize = 2;
 
 /// `url` with its password (if any) left out, to print.
 fn without_password(url: &str) -> String {
