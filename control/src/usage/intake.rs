@@ -89,7 +89,7 @@ impl UsageStore {
     /// Refusals of nodes' windows so far: by node and rule, with the last one's number,
     /// time and reason.
     pub fn refusals(&self) -> Result<Vec<Refusal>, DbError> {
-        self.tx(|sql| {
+        self.read(|sql| {
             sql.rows("SELECT node, rule, count, last_at, last_seq, last_why FROM refusals ORDER BY node, rule", &[])?
                 .iter()
                 .map(|r| {

@@ -13,9 +13,13 @@ use postern_model::usage::{LATENCY_BUCKETS, month_period, parse_month};
 
 use super::db::{DbError, PgTx, Sql, vals};
 
-/// Connections the store opens at most: intake batches, queries and reconciles run side
-/// by side up to this many.
+/// Connections the store opens at most for writing: intake batches and reconciles run
+/// side by side up to this many.
 pub(crate) const POOL_SIZE: usize = 8;
+
+/// Connections kept for reading (the usage API's queries, totals, flags), so a read never
+/// waits behind a full pool of intake batches.
+pub(crate) const READ_POOL_SIZE: usize = 2;
 
 /// How long a caller waits for a free connection before the store answers unavailable.
 const POOL_WAIT: Duration = Duration::from_secs(30);
@@ -37,6 +41,7 @@ struct PoolState {
 /// A bounded pool of connections.
 pub(crate) struct Pool {
     config: postgres::Config,
+    size: usize,
     state: Mutex<PoolState>,
     freed: Condvar,
     /// The months whose partition of `minutes` exists.
@@ -68,11 +73,12 @@ impl Drop for Pooled<'_> {
 
 impl Pool {
     /// A pool for `url`, checked by opening one connection.
-    pub(crate) fn new(url: &str) -> anyhow::Result<Pool> {
+    pub(crate) fn new(url: &str, size: usize) -> anyhow::Result<Pool> {
         let mut config: postgres::Config = url.parse().map_err(|e| anyhow::anyhow!("usage store {url}: {e}"))?;
         config.connect_timeout(Duration::from_secs(10));
         let pool = Pool {
             config,
+            size,
             state: Mutex::new(PoolState { idle: Vec::new(), open: 0 }),
             freed: Condvar::new(),
             months: Mutex::new(BTreeSet::new()),
@@ -100,7 +106,7 @@ impl Pool {
                 }
                 return Ok(Pooled { pool: self, conn: Some(c) });
             }
-            if st.open < POOL_SIZE {
+            if st.open < self.size {
                 st.open += 1;
                 drop(st);
                 return match self.connect() {
@@ -116,8 +122,9 @@ impl Pool {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(DbError::Other(format!(
-                    "no PostgreSQL connection free within {} s ({POOL_SIZE} in use)",
-                    POOL_WAIT.as_secs()
+                    "no PostgreSQL connection free within {} s ({} in use)",
+                    POOL_WAIT.as_secs(),
+                    self.size
                 )));
             }
             st = self.freed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;

@@ -195,7 +195,7 @@ impl UsageStore {
              ORDER BY caller, kind, route, product, at
              LIMIT {MAX_ROWS}"
         );
-        self.tx(|sql| {
+        self.read(|sql| {
             sql.rows(&sql_text, &params)?
                 .iter()
                 .map(|r| {
@@ -231,13 +231,13 @@ impl UsageStore {
 
     /// Totals of one billing period, for one caller or all.
     pub fn totals(&self, period: &str, caller: Option<&str>) -> Result<Vec<Total>, DbError> {
-        self.tx(|sql| totals_in(sql, period, caller))
+        self.read(|sql| totals_in(sql, period, caller))
     }
 
     /// Per node: windows applied, the last sequence number and how many below it are
     /// missing (what the reconciler chases).
     pub fn nodes(&self) -> Result<Vec<NodeWindows>, DbError> {
-        self.tx(|sql| {
+        self.read(|sql| {
             let rows = sql
                 .rows(
                     "SELECT a.node, COUNT(DISTINCT a.seq), MAX(a.seq),
@@ -270,7 +270,7 @@ impl UsageStore {
     /// `node`'s runs of missing window numbers (a window is missing until every part of
     /// it is in), below the highest it has applied.
     pub fn missing(&self, node: &str) -> Result<Vec<Missing>, DbError> {
-        self.tx(|sql| Ok(gaps(sql, node)?.1))
+        self.read(|sql| Ok(gaps(sql, node)?.1))
     }
 }
 

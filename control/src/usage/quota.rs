@@ -171,7 +171,7 @@ const LIVE_FLAGS: &str = "SELECT caller, kind, product, until, quota, period_s F
 impl UsageStore {
     /// The over-quota flags still live at `now`, in a stable order.
     pub fn live_flags(&self, now: u64) -> Result<Vec<QuotaFlag>, DbError> {
-        self.tx(|sql| sql.rows(LIVE_FLAGS, &vals![i64_of(now)?])?.iter().map(flag).collect())
+        self.read(|sql| sql.rows(LIVE_FLAGS, &vals![i64_of(now)?])?.iter().map(flag).collect())
     }
 
     /// Lifts the live over-quota flags of `caller` (a key id, or an app's `client_id` with
@@ -207,7 +207,7 @@ impl UsageStore {
     /// ones the webhook has not taken and whose next try is due at `due` when given.
     pub fn events(&self, after: u64, limit: usize, due: Option<u64>) -> Result<Vec<QuotaEvent>, DbError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.tx(|sql| {
+        self.read(|sql| {
             let cols = "SELECT id, at, caller, kind, product, period_start, period_end, percent, used, quota, mode,
                         delivered, attempts FROM quota_events";
             let rows = match due {
@@ -262,7 +262,7 @@ impl UsageStore {
         product: &str,
         t: u64,
     ) -> Result<Option<(u64, u64, u64)>, DbError> {
-        self.tx(|sql| {
+        self.read(|sql| {
             sql.row(
                 "SELECT used, period_start, period_end FROM quota_use
                  WHERE caller = ?1 AND kind = ?2 AND product = ?3 AND period_start <= ?4 AND period_end > ?4",

@@ -41,7 +41,7 @@ impl UsageStore {
 
     /// A node's own counters of `period`, as last reported.
     pub fn counters(&self, node: &str, period: &str) -> Result<Option<NodeCounters>, DbError> {
-        self.tx(|sql| counters_of(sql, node, period))
+        self.read(|sql| counters_of(sql, node, period))
     }
 
     /// Reconciles billing period `period` (`YYYY-MM`) at Unix second `now`: the period
@@ -59,13 +59,13 @@ impl UsageStore {
 
     /// Whether period `period` is final now (reconciled, and no window came since).
     pub fn is_final(&self, period: &str) -> Result<bool, DbError> {
-        self.tx(|sql| Ok(matches!(final_at(sql, period)?, Some(Some(_)))))
+        self.read(|sql| Ok(matches!(final_at(sql, period)?, Some(Some(_)))))
     }
 
     /// The billing export of a final period: one total per caller and product. `Err`
     /// with the reason while the period is not final.
     pub fn export(&self, period: &str) -> Result<Result<Vec<Total>, String>, DbError> {
-        self.tx(|sql| match final_at(sql, period)? {
+        self.read(|sql| match final_at(sql, period)? {
             Some(Some(_)) => totals_in(sql, period, None).map(Ok),
             Some(None) => Ok(Err(format!(
                 "period {period} is not final: windows arrived after its last reconcile, or it did not pass; reconcile it"

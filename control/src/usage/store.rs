@@ -70,10 +70,11 @@ pub enum WorkerError {
 
 #[derive(Debug)]
 enum Engine {
-    /// One connection: one transaction at a time.
-    Sqlite(Mutex<Connection>),
-    /// A bounded pool: batches, queries and reconciles side by side.
-    Postgres(Box<Pool>),
+    /// One connection that writes, one transaction at a time, and one that reads beside
+    /// it (WAL: a reader sees the last commit and waits for no writer).
+    Sqlite { write: Mutex<Connection>, read: Mutex<Connection> },
+    /// Bounded pools: batches and reconciles side by side, and reads on their own.
+    Postgres { write: Box<Pool>, read: Box<Pool> },
 }
 
 /// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
@@ -192,7 +193,13 @@ impl UsageStore {
             conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
         }
         Ok(UsageStore {
-            engine: Engine::Sqlite(Mutex::new(conn)),
+            engine: Engine::Sqlite {
+                write: Mutex::new(conn),
+                read: Mutex::new(Connection::open_with_flags(
+                    path,
+                    rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+                )?),
+            },
             location: path.display().to_string(),
             workers: Workers::start(SQLITE_WORKERS)?,
         })
@@ -201,11 +208,12 @@ impl UsageStore {
     /// Opens the usage store in PostgreSQL database `url` (`postgres://…`), creating its
     /// tables if missing and dropping per-minute rows older than the months kept.
     pub fn open_postgres(url: &str) -> anyhow::Result<UsageStore> {
-        let pool = Pool::new(url)?;
+        let pool = Pool::new(url, super::pg::POOL_SIZE)?;
         pool.migrate(postern_model::disk::unix_now())?;
+        let read = Pool::new(url, super::pg::READ_POOL_SIZE)?;
         let location = without_password(url);
         Ok(UsageStore {
-            engine: Engine::Postgres(Box::new(pool)),
+            engine: Engine::Postgres { write: Box::new(pool), read: Box::new(read) },
             location,
             workers: Workers::start(super::pg::POOL_SIZE)?,
         })
@@ -239,26 +247,36 @@ impl UsageStore {
     /// Runs `f` in one transaction, committed if it returns `Ok` and rolled back
     /// otherwise; on PostgreSQL, run again when aborted for a serialization failure or a
     /// deadlock.
-    pub(crate) fn tx<T, E: TxError>(&self, mut f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+    pub(crate) fn tx<T, E: TxError>(&self, f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
         match &self.engine {
-            Engine::Sqlite(conn) => {
-                let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
-                let tx = conn.transaction().map_err(DbError::from)?;
-                let v = f(&mut SqliteTx(&tx))?;
-                tx.commit().map_err(DbError::from)?;
-                Ok(v)
-            }
-            Engine::Postgres(pool) => pool.tx(f),
+            Engine::Sqlite { write, .. } => sqlite_tx(write, f),
+            Engine::Postgres { write, .. } => write.tx(f),
+        }
+    }
+
+    /// Runs `f`, which only reads, in one transaction on a connection kept for reading.
+    pub(crate) fn read<T, E: TxError>(&self, f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+        match &self.engine {
+            Engine::Sqlite { read, .. } => sqlite_tx(read, f),
+            Engine::Postgres { read, .. } => read.tx(f),
         }
     }
 
     /// The PostgreSQL pool, if the store is on PostgreSQL.
     pub(crate) fn pool(&self) -> Option<&Pool> {
         match &self.engine {
-            Engine::Postgres(p) => Some(p),
-            Engine::Sqlite(_) => None,
+            Engine::Postgres { write, .. } => Some(write),
+            Engine::Sqlite { .. } => None,
         }
     }
+}
+
+fn sqlite_tx<T, E: TxError>(conn: &Mutex<Connection>, mut f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+    let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = conn.transaction().map_err(DbError::from)?;
+    let v = f(&mut SqliteTx(&tx))?;
+    tx.commit().map_err(DbError::from)?;
+    Ok(v)
 }
 
 /// Workers of a SQLite store: its one connection runs one transaction at a time; a second
