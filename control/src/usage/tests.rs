@@ -557,7 +557,8 @@ fn on_postgres_minutes_are_kept_13_months_and_totals_for_good() {
 /// (1,000 callers, 3 routes each; callers are shared between nodes, as a load balancer
 /// spreads them), applied by as many workers as the engine runs side by side, while one
 /// key's month by route is read over and over. Prints sustained rows/s and the query's
-/// latency. `POSTERN_BENCH_WINDOWS` (default 3) windows per node; run (BENCHMARKS.md):
+/// latency. `POSTERN_BENCH_WINDOWS` (default 3) windows per node, `POSTERN_BENCH_BATCH`
+/// (default 1) windows a transaction; run (BENCHMARKS.md):
 /// `cargo test --workspace --lib -- --ignored --nocapture usage_intake_of_a_fleet`.
 #[test]
 #[ignore = "a benchmark: run by hand, see BENCHMARKS.md"]
@@ -570,6 +571,9 @@ fn usage_intake_of_a_fleet() {
     const CALLERS: usize = 1_000;
     const ROUTES: usize = 3;
     let per_node: u64 = std::env::var("POSTERN_BENCH_WINDOWS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    // Windows a transaction: 1 as the HTTP intake gets them from one node; more as the
+    // Kafka consumer takes what the stream holds of several nodes.
+    let batch: usize = std::env::var("POSTERN_BENCH_BATCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
     let now = DEC + 86_400 * 20;
     let window_of = |node: u64, seq: u64| {
         let rows = (0..CALLERS * ROUTES)
@@ -626,9 +630,12 @@ fn usage_intake_of_a_fleet() {
                 let (store, jobs, next) = (store.clone(), jobs.clone(), next.clone());
                 std::thread::spawn(move || {
                     loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(w) = jobs.get(i) else { break };
-                        store.apply(std::slice::from_ref(w), now, &Quotas::default()).unwrap();
+                        let i = next.fetch_add(batch, Ordering::Relaxed);
+                        let Some(ws) = jobs.get(i..(i + batch).min(jobs.len())) else { break };
+                        if ws.is_empty() {
+                            break;
+                        }
+                        store.apply(ws, now, &Quotas::default()).unwrap();
                     }
                 })
             })
@@ -644,7 +651,7 @@ fn usage_intake_of_a_fleet() {
         let t = store.totals("2026-12", Some("key_000007")).unwrap();
         assert!(!t.is_empty());
         println!(
-            "{engine}: {} windows, {rows} rows in {:.1} s by {workers} workers: {:.0} rows/s; \
+            "{engine}: {} windows, {batch} a transaction, {rows} rows in {:.1} s by {workers} workers: {:.0} rows/s; \
              one key's month by route while intake runs: {} reads, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
             jobs.len(),
             took.as_secs_f64(),
