@@ -72,7 +72,7 @@ pub enum WorkerError {
 enum Engine {
     /// One connection that writes, one transaction at a time, and one that reads beside
     /// it (WAL: a reader sees the last commit and waits for no writer).
-    Sqlite { write: Mutex<Connection>, read: Mutex<Connection> },
+    Sqlite { write: Box<Mutex<Connection>>, read: Box<Mutex<Connection>> },
     /// Bounded pools: batches and reconciles side by side, and reads on their own.
     Postgres { write: Box<Pool>, read: Box<Pool> },
 }
@@ -194,11 +194,11 @@ impl UsageStore {
         }
         Ok(UsageStore {
             engine: Engine::Sqlite {
-                write: Mutex::new(conn),
-                read: Mutex::new(Connection::open_with_flags(
+                write: Box::new(Mutex::new(conn)),
+                read: Box::new(Mutex::new(Connection::open_with_flags(
                     path,
                     rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-                )?),
+                )?)),
             },
             location: path.display().to_string(),
             workers: Workers::start(SQLITE_WORKERS)?,
