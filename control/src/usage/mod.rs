@@ -18,7 +18,11 @@
 //!   serialization failure or deadlock. Per-minute rows are partitioned by month; 13
 //!   months are kept, older partitions dropped.
 //!
-//! On both, a commit is durable before the intake acknowledges. A batch of windows is
+//! On both, reads (the usage API, flags, events, the export) take connections of their own
+//! (SQLite: a read-only connection beside the writer, which WAL lets read the last commit
+//! without waiting; PostgreSQL: a pool of 2), and the work runs on the store's own bounded
+//! threads ([`UsageStore::run`]), never tokio's blocking pool that publish and key
+//! revocation use. A commit is durable before the intake acknowledges. A batch of windows is
 //! one transaction that records each window's parts in `applied` — (node, seq, part)
 //! once; a part already there is a duplicate and adds nothing — and adds its rows,
 //! summed per key in the batch, to `totals` (per caller, product and billing period) and
