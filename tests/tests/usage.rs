@@ -142,6 +142,12 @@ async fn billed_once_and_bad_windows_change_nothing(fleet: Fleet) {
     };
     assert_eq!(team(TEAM_T_TOKEN), 2);
     assert_eq!(team(TEAM_X_TOKEN), 0);
+    // A team's range spans at most 31 days: a longer one is refused, naming the rule.
+    let auth = format!("Bearer {TEAM_T_TOKEN}");
+    let long = get(&format!("{}/v1/usage?from=2026-01-01&to=2026-03-01", cp.url), &[("authorization", &auth)]).await;
+    let why = String::from_utf8_lossy(&long.body).into_owned();
+    assert_eq!(long.status, StatusCode::BAD_REQUEST, "{why}");
+    assert!(why.contains("team_range"), "{why}");
 
     // Every window was acknowledged (the store applied them before it answered; the node
     // records the answer just after); the node serves them again for re-sends.
