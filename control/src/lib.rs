@@ -76,9 +76,16 @@ pub fn publish(compiled: &Compiled, out: &Path, version: Option<u64>) -> anyhow:
             if dst.exists() {
                 continue; // content-addressed: same name, same bytes
             }
-            let tmp = dir.join(format!("{hex}.wasm.tmp"));
-            std::fs::copy(src, &tmp).map_err(|e| anyhow::anyhow!("cannot copy {}: {e}", src.display()))?;
-            std::fs::rename(&tmp, &dst)?;
+            // Read again as the compile read it (a regular file within the cap) and checked
+            // against the digest the compile took, so the file cannot change in between.
+            let bytes = postern_model::disk::read_untrusted(src, postern_model::disk::MODULE_FILE_CAP)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", src.display()))?;
+            anyhow::ensure!(
+                postern_model::content_hash(&bytes) == *digest,
+                "{} changed while it was compiled",
+                src.display()
+            );
+            write_atomic(&dst, &bytes)?;
         }
     }
     let previous = std::fs::read(out).ok().and_then(|b| SnapshotFile::open(&b).ok()).map(|(f, _)| f);

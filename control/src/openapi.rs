@@ -20,6 +20,9 @@ pub const SCHEMA_DIALECT: &str = "https://json-schema.org/draft/2020-12/schema";
 /// At most this many schemas may be reachable through `$ref` from one schema.
 pub const MAX_DEFS: usize = 10_000;
 
+/// The largest OpenAPI document a compile reads: 16 MiB.
+pub const SPEC_FILE_CAP: u64 = 16 << 20;
+
 /// The operations of a path item, as OpenAPI names them.
 const METHODS: [&str; 8] = ["get", "put", "post", "delete", "options", "head", "patch", "trace"];
 
@@ -121,9 +124,12 @@ impl Spec {
         Ok(Spec { doc, dialect })
     }
 
-    /// Reads and parses the document at `path`.
+    /// Reads and parses the document at `path` (a regular file, at most
+    /// [`SPEC_FILE_CAP`] bytes: a symbolic link, a FIFO or a device is refused).
     pub fn load(path: &Path) -> Result<Spec, SpecError> {
-        let text = std::fs::read_to_string(path).map_err(|e| err("", format!("cannot read: {e}")))?;
+        let bytes = postern_model::disk::read_untrusted(path, SPEC_FILE_CAP)
+            .map_err(|e| err("", format!("cannot read: {e}")))?;
+        let text = String::from_utf8(bytes).map_err(|_| err("", "cannot read: not UTF-8 text"))?;
         Spec::parse(&text)
     }
 

@@ -182,6 +182,9 @@ pub struct Metrics {
     pub credentials_failed: AtomicU64,
     /// Version of the live credential state.
     pub credentials_version: AtomicU64,
+    /// Files of folders others can write (the publish directory, the snapshot's folder)
+    /// refused before reading: a symbolic link, not a regular file, or over its size cap.
+    pub files_refused: AtomicU64,
     /// Responses by pool (public, partner) and status class.
     pub(crate) pools: [Classes; 2],
     /// Responses by the caller's plan and status class (a bounded set of plans).

@@ -70,7 +70,7 @@ pub struct Backend {
 pub struct CompiledRoute {
     /// `team/name`.
     pub id: Arc<str>,
-    /// Backends, indexed by [`CompiledRoute::split`].
+    /// Backends, indexed by [`CompiledRoute::pick`]; the first is the stable one.
     pub backends: Vec<Backend>,
     /// Bucket (0..100) → index into `backends`.
     pub buckets: [u8; 100],
@@ -88,15 +88,21 @@ pub struct CompiledRoute {
     pub max_body_bytes: u64,
     /// Buffer the body for filters' body phase.
     pub buffer_body: bool,
-    /// The API product of an authenticated route, whose first filter authenticates the
-    /// caller and whose callers' calls are metered; `None`: a public route (credentials
-    /// are dropped before any filter sees them).
+    /// The API product of an authenticated route, whose callers' calls are metered;
+    /// `None`: a public route (credentials are dropped before any filter sees them).
     pub product: Option<Arc<str>>,
     /// Path rewrite.
     pub rewrite: Option<Rewrite>,
-    /// Filters in order.
+    /// Authentication, on an authenticated route: the caller, known before anything
+    /// else runs.
+    pub auth: Option<Arc<dyn Filter>>,
+    /// The caller's plan's rate limits and quota, on an authenticated route whose plans
+    /// set any.
+    pub limit: Option<Arc<dyn Filter>>,
+    /// The route's configured filters (native and Wasm), in order.
     pub filters: Vec<Arc<dyn Filter>>,
-    /// The filters' names, in the same order, for access logs and spans.
+    /// The names of the whole chain (`auth`, `rate-limit`, then the route's filters), for
+    /// access logs and spans.
     pub filter_names: Vec<Arc<str>>,
     /// Headers added to every response (deprecation, sunset, link).
     pub response_headers: Vec<(HeaderName, HeaderValue)>,
@@ -165,18 +171,32 @@ impl std::fmt::Debug for CompiledRoute {
 }
 
 impl CompiledRoute {
-    /// The backend for a caller: a stable hash of `key` into 100 buckets, so one caller
-    /// always sees one backend; a random bucket without a key.
-    pub fn split(&self, key: Option<&[u8]>) -> Option<&Backend> {
+    /// The backend index for a caller: a stable hash of `key` into 100 buckets, so one
+    /// caller always sees one backend; a random bucket without a key.
+    pub fn pick(&self, key: Option<&[u8]>) -> usize {
         if self.backends.len() == 1 {
-            return self.backends.first();
+            return 0;
         }
         let bucket = match key {
             Some(k) => (xxhash_rust::xxh3::xxh3_64_with_seed(k, self.seed) % 100) as usize,
             None => fastrand::usize(..100),
         };
-        let i = self.buckets.get(bucket).copied().unwrap_or(0);
-        self.backends.get(usize::from(i))
+        usize::from(self.buckets.get(bucket).copied().unwrap_or(0))
+    }
+
+    /// The backend at index `i` (0: the stable one).
+    pub fn backend(&self, i: usize) -> Option<&Backend> {
+        self.backends.get(i)
+    }
+
+    /// Whether any filter runs on its requests (they then get a filter context).
+    pub fn has_filters(&self) -> bool {
+        self.auth.is_some() || self.limit.is_some() || !self.filters.is_empty()
+    }
+
+    /// The whole chain in order: authentication, limits, the route's filters.
+    pub fn chain(&self) -> impl Iterator<Item = &Arc<dyn Filter>> {
+        self.auth.iter().chain(self.limit.iter()).chain(self.filters.iter())
     }
 }
 
@@ -423,82 +443,14 @@ impl Builder {
 
     /// Builds a snapshot; refuses it whole if any route cannot be built.
     pub fn build(&self, version: u64, hash: String, snapshot: &Snapshot) -> Result<Live, BuildError> {
-        let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::new();
         let mut clients = self.clients.lock().unwrap_or_else(|p| p.into_inner());
         clients.forget_unused_pools();
-        let conns = clients.conns.clone();
         let gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
+        let mut upstreams: HashMap<&str, Arc<Upstream>> = HashMap::with_capacity(snapshot.clusters.len());
         let mut staged: Vec<(String, Guards)> = Vec::with_capacity(snapshot.clusters.len());
         for (name, c) in &snapshot.clusters {
-            // Distinct hosts, and a weighted slot per listed endpoint.
-            let mut endpoints: Vec<Authority> = Vec::with_capacity(c.endpoints.len());
-            let mut slots = Vec::with_capacity(c.endpoints.len());
-            for e in &c.endpoints {
-                let a = e.parse::<Authority>().map_err(|err| BuildError::Route {
-                    route: format!("(cluster {name})"),
-                    reason: format!("endpoint {e:?}: {err}"),
-                })?;
-                let at = endpoints.iter().position(|x| *x == a).unwrap_or_else(|| {
-                    endpoints.push(a);
-                    endpoints.len() - 1
-                });
-                slots.push(u16::try_from(at).map_err(|_| BuildError::Route {
-                    route: format!("(cluster {name})"),
-                    reason: "more than 65535 endpoints".into(),
-                })?);
-            }
-            let config = breaker_config(&c.breaker);
-            let budget = budget_config(&c.retry_budget);
-            let eject = postern_protect::EjectConfig {
-                consecutive: c.outlier.consecutive,
-                base: Duration::from_millis(u64::from(c.outlier.eject_ms)),
-                max: Duration::from_millis(u64::from(c.outlier.max_eject_ms)),
-                max_percent: c.outlier.max_percent,
-            };
-            let now = std::time::Instant::now();
-            // The live state is kept while its settings stay; new settings start anew (a
-            // closed breaker, an empty window), recorded only once this snapshot builds.
-            let kept = gates.get(name.as_str());
-            let guards = Guards {
-                inflight: kept.map_or_else(Arc::default, |g| g.inflight.clone()),
-                breaker: match kept {
-                    Some(g) if *g.breaker.config() == config => g.breaker.clone(),
-                    _ => Arc::new(postern_protect::Breaker::new(config, now)),
-                },
-                budget: match kept {
-                    Some(g) if *g.budget.config() == budget => g.budget.clone(),
-                    _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
-                },
-                shed: kept.map_or_else(Arc::default, |g| g.shed.clone()),
-                latency: kept.map_or_else(Arc::default, |g| g.latency.clone()),
-                hosts: match kept {
-                    Some(g) if g.endpoints == c.endpoints && *g.hosts.config() == eject => g.hosts.clone(),
-                    _ => Arc::new(postern_protect::Hosts::new(endpoints.len(), slots, eject, now)),
-                },
-                endpoints: c.endpoints.clone(),
-            };
-            let max_inflight = c.max_connections.max(1);
-            let transport = crate::cluster::connect::Transport { http2: c.http2, tls: c.tls.clone() };
-            let pools = endpoints.iter().map(|a| clients.pool(&transport, a)).collect();
-            upstreams.insert(
-                name,
-                Arc::new(Upstream {
-                    name: Arc::from(name.as_str()),
-                    endpoints,
-                    hosts: guards.hosts.clone(),
-                    inflight: guards.inflight.clone(),
-                    max_inflight,
-                    breaker: guards.breaker.clone(),
-                    budget: guards.budget.clone(),
-                    shed: guards.shed.clone(),
-                    latency: guards.latency.clone(),
-                    shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
-                    reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
-                    transport,
-                    conns: conns.clone(),
-                    pools,
-                }),
-            );
+            let (u, guards) = upstream(name, c, gates.get(name.as_str()), &mut clients)?;
+            upstreams.insert(name, u);
             staged.push((name.clone(), guards));
         }
         drop(gates);
@@ -506,118 +458,10 @@ impl Builder {
         let mut public = RouterBuilder::new();
         let mut partner = RouterBuilder::new();
         for r in &snapshot.routes {
-            let err = |reason: String| BuildError::Route { route: r.id.clone(), reason };
-            let id: Arc<str> = Arc::from(r.id.as_str());
-            let mut backends = Vec::with_capacity(r.backends.len());
-            for b in &r.backends {
-                let u =
-                    upstreams.get(b.cluster.as_str()).ok_or_else(|| err(format!("unknown cluster {:?}", b.cluster)))?;
-                let client = clients
-                    .get(Duration::from_millis(r.timeouts.connect_ms), &u.transport)
-                    .map_err(|e| err(format!("cluster {}: {e}", b.cluster)))?;
-                let metrics = (r.backends.len() > 1).then(|| self.metrics.backend(&id, &u.name));
-                backends.push(Backend { upstream: u.clone(), client, metrics });
-            }
-            if backends.is_empty() || backends.len() > 255 {
-                return Err(err("a route needs 1 to 255 backends".into()));
-            }
-            let weights: Vec<u32> = r.backends.iter().map(|b| b.weight).collect();
-            let split_header = match &r.split_header {
-                None => None,
-                Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
-            };
-            // The chain's order is decided in one place, `chain::chain`.
-            let steps = chain::chain(r, &snapshot.plans).map_err(|e| err(e.to_string()))?;
-            let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(steps.len());
-            let filter_names: Vec<Arc<str>> = steps
-                .iter()
-                .map(|step| match step {
-                    Step::Authenticate(_) => Arc::from("auth"),
-                    Step::RateLimit(_) => Arc::from("rate-limit"),
-                    Step::Configured(f) => match f.config.get("name").and_then(|n| n.as_str()) {
-                        Some(name) if f.kind == "wasm" => Arc::from(name),
-                        _ => Arc::from(f.kind.as_str()),
-                    },
-                })
-                .collect();
-            for step in &steps {
-                let built = match step {
-                    Step::Configured(f) if f.kind == "wasm" => self.wasm_filter(&id, &f.config).map_err(err)?,
-                    step => step.build(&self.node, &id, &snapshot.plans).map_err(|e| err(e.to_string()))?,
-                };
-                filters.push(built);
-            }
+            let compiled = self.route(r, snapshot, &upstreams, &mut clients)?;
             let kind = match r.path_kind {
                 postern_model::PathMatchKind::Exact => PathKind::Exact,
                 postern_model::PathMatchKind::Prefix => PathKind::Prefix,
-            };
-            let rewrite = match &r.rewrite {
-                None => None,
-                Some(postern_model::PathRewrite::ReplacePrefix(p)) => Some(Rewrite::Prefix {
-                    segments: r.path.trim_matches('/').split('/').filter(|s| !s.is_empty()).count(),
-                    with: p.trim_end_matches('/').to_owned(),
-                }),
-                Some(postern_model::PathRewrite::ReplaceFull(p)) => Some(Rewrite::Full(p.clone())),
-            };
-            let mut response_headers = Vec::new();
-            if let Some(d) = &r.deprecation {
-                let deprecation = match d.since {
-                    Some(t) => HeaderValue::from_str(&format!("@{t}")).ok(),
-                    None => Some(HeaderValue::from_static("true")),
-                };
-                response_headers.extend(deprecation.map(|v| (HeaderName::from_static("deprecation"), v)));
-                if let Some(v) = d.sunset.and_then(http_date) {
-                    response_headers.push((HeaderName::from_static("sunset"), v));
-                }
-                if let Some(l) = &d.link {
-                    let v = HeaderValue::from_str(&format!("<{l}>; rel=\"deprecation\""))
-                        .map_err(|e| err(format!("link: {e}")))?;
-                    response_headers.push((http::header::LINK, v));
-                }
-            }
-            let validator = match &r.validate {
-                None => None,
-                Some(v) => Some(Box::new(
-                    postern_validate::Validator::build(v, &r.path).map_err(|e| err(format!("validate: {e}")))?,
-                )),
-            };
-            let grpc = match &r.grpc {
-                None => None,
-                Some(t) => {
-                    Some(Box::new(postern_transcode::Transcoder::build(t).map_err(|e| err(format!("grpc: {e}")))?))
-                }
-            };
-            // A validated or transcoded body is read whole, so it must fit the buffer.
-            let validates_body = validator.as_ref().is_some_and(|v| v.has_body()) || grpc.is_some();
-            if validates_body && r.max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
-                return Err(err("validating a body needs max_body_bytes of at most 1 MiB".into()));
-            }
-            let buffer_body =
-                (r.buffer_body || validates_body) && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES;
-            let compiled = CompiledRoute {
-                metrics: self.metrics.route(&id),
-                seed: xxhash_rust::xxh3::xxh3_64(r.id.as_bytes()),
-                id,
-                backends,
-                buckets: bucket_table(&weights),
-                split_header,
-                response_timeout: Duration::from_millis(r.timeouts.response_ms),
-                // Within the compiler's ranges whatever the file says (a deadline far
-                // off would overflow the clock).
-                body_idle: r.timeouts.body_idle_ms.map(|ms| Duration::from_millis(ms.min(300_000))),
-                body_total: Duration::from_millis(r.timeouts.body_total_ms.min(3_600_000)),
-                max_body_bytes: r.max_body_bytes,
-                buffer_body,
-                product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
-                rewrite,
-                filters,
-                filter_names,
-                response_headers,
-                retry: RetryRule::new(&r.retry),
-                priority: r.priority,
-                validator,
-                compress: r.compress.map(|c| c.min_bytes),
-                grpc,
             };
             let version = r.version.as_ref().map(|v| (v.header.as_str(), v.value.as_str()));
             let spec = postern_router::RouteSpec { hosts: &r.hosts, methods: &r.methods, path: &r.path, kind, version };
@@ -625,7 +469,7 @@ impl Builder {
                 Pool::Public => &mut public,
                 Pool::Partner => &mut partner,
             };
-            table.add(&spec, compiled).map_err(|e| err(e.to_string()))?;
+            table.add(&spec, compiled).map_err(|e| BuildError::Route { route: r.id.clone(), reason: e.to_string() })?;
         }
         // Built: its clusters' state is the one later snapshots keep.
         let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
@@ -646,6 +490,219 @@ impl Builder {
             partner: partner.build(),
         })
     }
+
+    /// One route, ready for requests: its backends, its chain and its checks.
+    fn route(
+        &self,
+        r: &postern_model::Route,
+        snapshot: &Snapshot,
+        upstreams: &HashMap<&str, Arc<Upstream>>,
+        clients: &mut Clients,
+    ) -> Result<CompiledRoute, BuildError> {
+        let err = |reason: String| BuildError::Route { route: r.id.clone(), reason };
+        let id: Arc<str> = Arc::from(r.id.as_str());
+        let mut backends = Vec::with_capacity(r.backends.len());
+        for b in &r.backends {
+            let u = upstreams.get(b.cluster.as_str()).ok_or_else(|| err(format!("unknown cluster {:?}", b.cluster)))?;
+            let client = clients
+                .get(Duration::from_millis(r.timeouts.connect_ms), &u.transport)
+                .map_err(|e| err(format!("cluster {}: {e}", b.cluster)))?;
+            let metrics = (r.backends.len() > 1).then(|| self.metrics.backend(&id, &u.name));
+            backends.push(Backend { upstream: u.clone(), client, metrics });
+        }
+        if backends.is_empty() || backends.len() > 255 {
+            return Err(err("a route needs 1 to 255 backends".into()));
+        }
+        let weights: Vec<u32> = r.backends.iter().map(|b| b.weight).collect();
+        let split_header = match &r.split_header {
+            None => None,
+            Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
+        };
+        let (auth, limit, filters, filter_names) = self.chain(&id, r, &snapshot.plans).map_err(err)?;
+        let rewrite = match &r.rewrite {
+            None => None,
+            Some(postern_model::PathRewrite::ReplacePrefix(p)) => Some(Rewrite::Prefix {
+                segments: r.path.trim_matches('/').split('/').filter(|s| !s.is_empty()).count(),
+                with: p.trim_end_matches('/').to_owned(),
+            }),
+            Some(postern_model::PathRewrite::ReplaceFull(p)) => Some(Rewrite::Full(p.clone())),
+        };
+        let validator = match &r.validate {
+            None => None,
+            Some(v) => Some(Box::new(
+                postern_validate::Validator::build(v, &r.path).map_err(|e| err(format!("validate: {e}")))?,
+            )),
+        };
+        let grpc = match &r.grpc {
+            None => None,
+            Some(t) => Some(Box::new(postern_transcode::Transcoder::build(t).map_err(|e| err(format!("grpc: {e}")))?)),
+        };
+        // A validated or transcoded body is read whole, so it must fit the buffer.
+        let validates_body = validator.as_ref().is_some_and(|v| v.has_body()) || grpc.is_some();
+        if validates_body && r.max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
+            return Err(err("validating a body needs max_body_bytes of at most 1 MiB".into()));
+        }
+        Ok(CompiledRoute {
+            metrics: self.metrics.route(&id),
+            seed: xxhash_rust::xxh3::xxh3_64(r.id.as_bytes()),
+            id,
+            backends,
+            buckets: bucket_table(&weights),
+            split_header,
+            response_timeout: Duration::from_millis(r.timeouts.response_ms),
+            // Within the compiler's ranges whatever the file says (a deadline far off
+            // would overflow the clock).
+            body_idle: r.timeouts.body_idle_ms.map(|ms| Duration::from_millis(ms.min(300_000))),
+            body_total: Duration::from_millis(r.timeouts.body_total_ms.min(3_600_000)),
+            max_body_bytes: r.max_body_bytes,
+            buffer_body: (r.buffer_body || validates_body)
+                && r.max_body_bytes <= postern_model::MAX_BUFFERED_BODY_BYTES,
+            product: r.auth.as_ref().map(|a| Arc::from(a.product.as_str())),
+            rewrite,
+            auth,
+            limit,
+            filters,
+            filter_names,
+            response_headers: deprecation_headers(r).map_err(err)?,
+            retry: RetryRule::new(&r.retry),
+            priority: r.priority,
+            validator,
+            compress: r.compress.map(|c| c.min_bytes),
+            grpc,
+        })
+    }
+
+    /// A route's chain, built in the order `chain::chain` decides: its authentication,
+    /// its limits, its configured filters, and the names of all of them in that order.
+    #[allow(clippy::type_complexity)]
+    fn chain(
+        &self,
+        id: &Arc<str>,
+        r: &postern_model::Route,
+        plans: &std::collections::BTreeMap<String, postern_model::Plan>,
+    ) -> Result<(Option<Arc<dyn Filter>>, Option<Arc<dyn Filter>>, Vec<Arc<dyn Filter>>, Vec<Arc<str>>), String> {
+        let steps = chain::chain(r, plans).map_err(|e| e.to_string())?;
+        let (mut auth, mut limit) = (None, None);
+        let mut filters: Vec<Arc<dyn Filter>> = Vec::with_capacity(steps.len());
+        let mut names: Vec<Arc<str>> = Vec::with_capacity(steps.len());
+        for step in &steps {
+            match step {
+                Step::Authenticate(_) => {
+                    names.push(Arc::from("auth"));
+                    auth = Some(step.build(&self.node, id, plans).map_err(|e| e.to_string())?);
+                }
+                Step::RateLimit(_) => {
+                    names.push(Arc::from("rate-limit"));
+                    limit = Some(step.build(&self.node, id, plans).map_err(|e| e.to_string())?);
+                }
+                Step::Configured(f) if f.kind == "wasm" => {
+                    names.push(match f.config.get("name").and_then(|n| n.as_str()) {
+                        Some(name) => Arc::from(name),
+                        None => Arc::from(f.kind.as_str()),
+                    });
+                    filters.push(self.wasm_filter(id, &f.config)?);
+                }
+                Step::Configured(f) => {
+                    names.push(Arc::from(f.kind.as_str()));
+                    filters.push(step.build(&self.node, id, plans).map_err(|e| e.to_string())?);
+                }
+            }
+        }
+        Ok((auth, limit, filters, names))
+    }
+}
+
+/// One cluster on this node: its distinct hosts and their pools, and its live state
+/// (requests in flight, breaker, retry budget, shedding, ejections) — the `kept` state
+/// where its settings stayed, new state where they changed.
+fn upstream(
+    name: &str,
+    c: &postern_model::Cluster,
+    kept: Option<&Guards>,
+    clients: &mut Clients,
+) -> Result<(Arc<Upstream>, Guards), BuildError> {
+    let err = |reason: String| BuildError::Route { route: format!("(cluster {name})"), reason };
+    // Distinct hosts, and a weighted slot per listed endpoint.
+    let mut endpoints: Vec<Authority> = Vec::with_capacity(c.endpoints.len());
+    let mut slots = Vec::with_capacity(c.endpoints.len());
+    for e in &c.endpoints {
+        let a = e.parse::<Authority>().map_err(|x| err(format!("endpoint {e:?}: {x}")))?;
+        let at = endpoints.iter().position(|x| *x == a).unwrap_or_else(|| {
+            endpoints.push(a);
+            endpoints.len() - 1
+        });
+        slots.push(u16::try_from(at).map_err(|_| err("more than 65535 endpoints".into()))?);
+    }
+    let config = breaker_config(&c.breaker);
+    let budget = budget_config(&c.retry_budget);
+    let eject = postern_protect::EjectConfig {
+        consecutive: c.outlier.consecutive,
+        base: Duration::from_millis(u64::from(c.outlier.eject_ms)),
+        max: Duration::from_millis(u64::from(c.outlier.max_eject_ms)),
+        max_percent: c.outlier.max_percent,
+    };
+    let now = std::time::Instant::now();
+    // The live state is kept while its settings stay; new settings start anew (a closed
+    // breaker, an empty window), recorded only once this snapshot builds.
+    let guards = Guards {
+        inflight: kept.map_or_else(Arc::default, |g| g.inflight.clone()),
+        breaker: match kept {
+            Some(g) if *g.breaker.config() == config => g.breaker.clone(),
+            _ => Arc::new(postern_protect::Breaker::new(config, now)),
+        },
+        budget: match kept {
+            Some(g) if *g.budget.config() == budget => g.budget.clone(),
+            _ => Arc::new(postern_protect::RetryBudget::new(budget, now)),
+        },
+        shed: kept.map_or_else(Arc::default, |g| g.shed.clone()),
+        latency: kept.map_or_else(Arc::default, |g| g.latency.clone()),
+        hosts: match kept {
+            Some(g) if g.endpoints == c.endpoints && *g.hosts.config() == eject => g.hosts.clone(),
+            _ => Arc::new(postern_protect::Hosts::new(endpoints.len(), slots, eject, now)),
+        },
+        endpoints: c.endpoints.clone(),
+    };
+    let max_inflight = c.max_connections.max(1);
+    let transport = crate::cluster::connect::Transport { http2: c.http2, tls: c.tls.clone() };
+    let pools = endpoints.iter().map(|a| clients.pool(&transport, a)).collect();
+    let upstream = Upstream {
+        name: Arc::from(name),
+        endpoints,
+        hosts: guards.hosts.clone(),
+        inflight: guards.inflight.clone(),
+        max_inflight,
+        breaker: guards.breaker.clone(),
+        budget: guards.budget.clone(),
+        shed: guards.shed.clone(),
+        latency: guards.latency.clone(),
+        shed_at: (u64::from(max_inflight) * u64::from(c.shed_at_percent)).div_ceil(100).max(1) as u32,
+        reserved_from: (u64::from(max_inflight) * CAP_SHARE[3] / 100) as u32,
+        transport,
+        conns: clients.conns.clone(),
+        pools,
+    };
+    Ok((Arc::new(upstream), guards))
+}
+
+/// The headers a deprecated route adds to every answer: `Deprecation`, `Sunset`, `Link`.
+fn deprecation_headers(r: &postern_model::Route) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+    let mut headers = Vec::new();
+    let Some(d) = &r.deprecation else {
+        return Ok(headers);
+    };
+    let deprecation = match d.since {
+        Some(t) => HeaderValue::from_str(&format!("@{t}")).ok(),
+        None => Some(HeaderValue::from_static("true")),
+    };
+    headers.extend(deprecation.map(|v| (HeaderName::from_static("deprecation"), v)));
+    if let Some(v) = d.sunset.and_then(http_date) {
+        headers.push((HeaderName::from_static("sunset"), v));
+    }
+    if let Some(l) = &d.link {
+        let v = HeaderValue::from_str(&format!("<{l}>; rel=\"deprecation\"")).map_err(|e| format!("link: {e}"))?;
+        headers.push((http::header::LINK, v));
+    }
+    Ok(headers)
 }
 
 #[cfg(test)]

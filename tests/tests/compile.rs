@@ -157,3 +157,82 @@ fn a_config_its_filter_refuses_is_refused_at_compile_with_the_filters_reason() {
     );
     assert_eq!(std::fs::read(&snap).unwrap(), before, "a refused config must not touch the published snapshot");
 }
+
+/// Runs `posternctl compile` on `repo`; fails the test if it has not ended within a
+/// generous hang guard (a compile that reads a FIFO or `/dev/zero` would never end).
+fn compile_guarded(repo: &Repo) -> (Option<i32>, String) {
+    use std::process::{Command, Stdio};
+    let snap = repo.path().join("snapshot.json");
+    let mut child = Command::new(postern_e2e::bin("posternctl"))
+        .arg("compile")
+        .arg(repo.path())
+        .arg("-o")
+        .arg(&snap)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let guard = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > guard {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("posternctl compile still running after 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_teams_proto_imports_only_its_own_regular_files() {
+    const PROTO: &str = "syntax = \"proto3\";\npackage t.v1;\nIMPORT\nimport \"google/api/annotations.proto\";\n\
+        message Get { string id = 1; }\n\
+        service Things { rpc GetThing(Get) returns (Get) { option (google.api.http) = { get: \"/t/v1/things/{id}\" }; } }\n";
+    let repo = Repo::new();
+    platform(&repo, &[("a", "127.0.0.1:9")]);
+    repo.write("platform/clusters.yaml", "clusters:\n  a: { endpoints: [\"127.0.0.1:9\"], protocol: http2 }\n");
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:\n  - name: g\n    public: true\n    match: { path: { type: PathPrefix, value: /t } }\n    backendRefs: [{ name: a }]\n    timeouts: { connect: 1s, response: 2s }\n    grpc: { proto: things.proto, service: t.v1.Things }\n",
+    );
+    for f in ["annotations.proto", "http.proto"] {
+        let from = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/config/teams/orders/proto/google/api")
+            .join(f);
+        repo.write(&format!("teams/t/proto/google/api/{f}"), &std::fs::read_to_string(from).unwrap());
+    }
+    repo.write("teams/t/proto/things.proto", &PROTO.replace("IMPORT", ""));
+    let (code, err) = compile_guarded(&repo);
+    assert_eq!(code, Some(0), "{err}");
+
+    // A FIFO no one writes to: a blocking open would hang the compile (and a publish
+    // holding its lock) for ever.
+    let fifo = repo.path().join("teams/t/proto/fifo.proto");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    // A file elsewhere on the host, reached by a way out of the folder.
+    repo.write("secret.proto", "syntax = \"proto3\";\n");
+    std::os::unix::fs::symlink(repo.path().join("secret.proto"), repo.path().join("teams/t/proto/link.proto")).unwrap();
+    for (import, why) in [
+        ("/dev/zero", "an absolute path (imports are relative to teams/t/proto/)"),
+        ("../../x.proto", "'..' or '.' in a path (imports stay inside teams/t/proto/)"),
+        ("fifo.proto", "not a regular file, refused"),
+        ("link.proto", "a symbolic link out of teams/t/proto/"),
+    ] {
+        repo.write("teams/t/proto/things.proto", &PROTO.replace("IMPORT", &format!("import \"{import}\";")));
+        let (code, err) = compile_guarded(&repo);
+        assert_eq!(code, Some(1), "{err}");
+        let want = format!("teams/t/proto/things.proto: does not compile: \"{import}\" refused: {why} (owner: t)");
+        assert!(err.contains(&want), "{import}: want {want:?} in\n{err}");
+    }
+    // The team's YAML files are read by the same rules: a FIFO among them is refused.
+    std::fs::remove_file(&fifo).unwrap();
+    repo.write("teams/t/proto/things.proto", &PROTO.replace("IMPORT", ""));
+    let made = std::process::Command::new("mkfifo").arg(repo.path().join("teams/t/more.yaml")).status().unwrap();
+    assert!(made.success());
+    let (code, err) = compile_guarded(&repo);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("teams/t/more.yaml: cannot read: not a regular file, refused"), "{err}");
+}

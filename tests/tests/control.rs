@@ -742,3 +742,85 @@ async fn a_revocation_reaches_every_node_through_the_signed_directory_when_their
         assert_eq!(get(&n.url("/keyed"), &[("x-api-key", &leaked)]).await.status, StatusCode::UNAUTHORIZED);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_publish_directory_is_refused_and_the_node_keeps_serving_in_bounded_memory() {
+    let Setup { _echo, repo, work, tokens } = setup();
+    let store = work.path().join("store");
+    let drop_dir = work.path().join("drop");
+    std::fs::create_dir_all(&drop_dir).unwrap();
+    let cp = serve(
+        repo.path(),
+        store.to_str().unwrap(),
+        &tokens,
+        &["--dwell", "0s", "--publish-dir", drop_dir.to_str().unwrap()],
+    );
+    ctl(&cp, &["publish"]);
+    let poll = ["--credentials-dir", drop_dir.to_str().unwrap(), "--credentials-dir-poll-s", "1"];
+    let node = start_node_with(&cp.url, &work.path().join("n0"), "node-0", &poll);
+    assert_eq!(get(&node.url("/r"), &[]).await.status, StatusCode::OK);
+    // The directory is the only thing changing from here on.
+    drop(cp);
+    for _ in 0..50 {
+        assert_eq!(get(&node.url("/r"), &[]).await.status, StatusCode::OK);
+    }
+    let (baseline, _) = node.proc.rss_kib();
+    node.proc.reset_peak_rss();
+    assert_eq!(node.metric("postern_files_refused_total").await, 0);
+
+    // Requests go on the whole time; every one is answered 200.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = tokio::spawn({
+        let (url, stop) = (node.url("/r"), stop.clone());
+        async move {
+            let mut statuses = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                statuses.push(get(&url, &[]).await.status);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            statuses
+        }
+    });
+
+    // Each hostile file is put in place whole (made beside it, renamed over it), as a
+    // writer of the shared directory would.
+    let path = drop_dir.join("credentials.json");
+    let planted = drop_dir.join("planted");
+    let hostile: [(&str, &dyn Fn()); 3] = [
+        ("a symbolic link, refused", &|| std::os::unix::fs::symlink("/dev/zero", &planted).unwrap()),
+        ("53687091200 bytes, over the limit of 1073741824", &|| {
+            std::fs::File::create(&planted).unwrap().set_len(50 << 30).unwrap()
+        }),
+        ("not a regular file, refused", &|| assert!(Command::new("mkfifo").arg(&planted).status().unwrap().success())),
+    ];
+    for (n, (why, plant)) in hostile.iter().enumerate() {
+        plant();
+        std::fs::rename(&planted, &path).unwrap();
+        let refusals = || {
+            node.log()
+                .lines()
+                .filter(|l| l.contains("publish directory: credentials refused") && l.contains(why))
+                .count()
+        };
+        wait_for(&format!("the refusal of {why}"), Duration::from_secs(30), async || refusals() == 1).await;
+        wait_for("the refusal counted", Duration::from_secs(10), async || {
+            node.metric("postern_files_refused_total").await == n as u64 + 1
+        })
+        .await;
+        assert_eq!(get(&node.url("/r"), &[]).await.status, StatusCode::OK);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = traffic.await.unwrap();
+    assert!(!statuses.is_empty());
+    assert_eq!(statuses.iter().filter(|s| **s != StatusCode::OK).count(), 0, "{statuses:?}");
+    let (rss, peak) = node.proc.rss_kib();
+    eprintln!("node RSS: baseline {baseline} KiB, now {rss} KiB, peak since {peak} KiB");
+    assert!(peak < 2 * baseline, "peak RSS {peak} KiB over twice the baseline {baseline} KiB");
+    assert!(rss < 2 * baseline, "RSS {rss} KiB over twice the baseline {baseline} KiB");
+    // Each file refused once, not again at every poll (polled every second meanwhile),
+    // each on one line.
+    let log = node.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("publish directory: credentials refused")).collect();
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    assert_eq!(node.metric("postern_files_refused_total").await, 3);
+}

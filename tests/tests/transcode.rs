@@ -130,4 +130,25 @@ async fn json_calls_reach_the_grpc_service_and_come_back_as_json() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     // The route still authenticates first.
     assert_eq!(get(&node.url("/v3/orders/42"), &[]).await.status, StatusCode::UNAUTHORIZED);
+
+    // A compressed body is decoded under the route's limit (64 KiB here, at most 1 MiB
+    // on a transcoded route): a gzip order is taken, a gzip bomb is refused.
+    let gzip = |data: &[u8]| {
+        use std::io::Write as _;
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    };
+    let gz = [auth[0], ("content-type", "application/json"), ("content-encoding", "gzip")];
+    let r = send(Method::POST, &node.url("/v3/shops/acme/orders"), &gz, gzip(order.as_bytes())).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.json()["status"], "PENDING");
+    // 10 MiB of spaces around the order in about 10 KiB.
+    let mut bomb = vec![b' '; 10 << 20];
+    bomb[..order.len()].copy_from_slice(order.as_bytes());
+    let bomb = gzip(&bomb);
+    assert!(bomb.len() < 64 * 1024 && bomb.len() as u64 * 100 > 64 * 1024, "{}", bomb.len());
+    let r = send(Method::POST, &node.url("/v3/shops/acme/orders"), &gz, bomb).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{:?}", r.body);
+    assert_eq!(r.json()["code"], "payload_too_large");
 }

@@ -144,6 +144,30 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Text from outside the process fit for one log line: a line feed, a carriage return, a
+/// tab, every other control character (C0, DEL, C1) and the Unicode line and paragraph
+/// separators are written as escapes (`\n`, `\r`, `\t`, `\u{1b}`), so a line cannot be
+/// split or a forged one appended. Text with none of them is returned as it is.
+pub fn log_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    fn escaped(c: char) -> bool {
+        c.is_control() || c == '\u{2028}' || c == '\u{2029}'
+    }
+    if !text.chars().any(escaped) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if escaped(c) => out.extend(c.escape_unicode()),
+            c => out.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Everything a node serves from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -689,6 +713,15 @@ pub struct Deprecation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_lines_cannot_be_split_or_forged() {
+        assert!(matches!(log_safe("plain text, ünïcode"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(
+            log_safe("ok\nERROR forged\r\n\tx\u{1b}[31m\u{7f}\u{85}\u{2028}"),
+            "ok\\nERROR forged\\r\\n\\tx\\u{1b}[31m\\u{7f}\\u{85}\\u{2028}"
+        );
+    }
 
     #[test]
     fn urls_in_logs_hide_their_passwords() {

@@ -55,6 +55,11 @@ impl fmt::Display for Rejected {
 
 impl std::error::Error for Rejected {}
 
+/// The largest YAML file of the repository a compile reads (a team's routes, a filter's
+/// manifest, the platform's files): 4 MiB. Read as files others can write: a symbolic
+/// link or anything but a regular file is refused.
+pub const YAML_FILE_CAP: u64 = 4 << 20;
+
 pub(crate) struct Ctx {
     pub(crate) root: PathBuf,
     pub(crate) diags: Vec<Diagnostic>,
@@ -94,7 +99,9 @@ impl Ctx {
     }
 
     pub(crate) fn load<T: DeserializeOwned>(&mut self, path: &Path, owner: Option<&str>) -> Option<T> {
-        let text = match std::fs::read_to_string(path) {
+        let read = postern_model::disk::read_untrusted(path, YAML_FILE_CAP)
+            .and_then(|b| String::from_utf8(b).map_err(|_| std::io::Error::other("not UTF-8 text")));
+        let text = match read {
             Ok(t) => t,
             Err(e) => {
                 self.error(path, "", format!("cannot read: {e}"), owner);

@@ -43,8 +43,16 @@ pub(crate) fn wasm_filter(
         cx.error(&manifest_path, "limits", over.join("; "), owner);
         return None;
     }
-    let module_path = manifest_path.parent().unwrap_or(&cx.root).join(&manifest.module);
-    let bytes = match std::fs::read(&module_path) {
+    // The module is a file of the team's own filters/ folder (read as one others can write).
+    let module = std::path::Path::new(&manifest.module);
+    if manifest.module.contains('\\') || !module.components().all(|c| matches!(c, std::path::Component::Normal(_))) {
+        let msg =
+            format!("{:?}: a file name inside teams/{team}/filters/ (no absolute path, '.' or '..')", manifest.module);
+        cx.error(&manifest_path, "module", msg, owner);
+        return None;
+    }
+    let module_path = manifest_path.parent().unwrap_or(&cx.root).join(module);
+    let bytes = match postern_model::disk::read_untrusted(&module_path, postern_model::disk::MODULE_FILE_CAP) {
         Ok(b) => b,
         Err(e) => {
             cx.error(&manifest_path, "module", format!("cannot read {}: {e}", module_path.display()), owner);

@@ -30,7 +30,9 @@ use postern_model::path::PathPolicy;
 use postern_model::{Cluster, PathMatchKind, Plan, Pool, Priority, Route, SCHEMA_VERSION, Snapshot};
 use postern_router::{PathKind, RouteError, RouteSpec, RouterBuilder};
 
+pub use self::context::YAML_FILE_CAP;
 pub use self::context::{Diagnostic, Rejected};
+pub use self::grpc::{DESCRIPTOR_SET_CAP, PROTO_FILE_CAP, PROTO_FILES_CAP};
 pub use self::routes::MAX_BODY_LIMIT;
 
 use self::clusters::{cluster_tls, compile_breaker, compile_budget, compile_outlier};

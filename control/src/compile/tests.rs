@@ -234,6 +234,19 @@ fn filters_rewrites_and_deprecations_are_checked() {
     assert!(e.contains("routes[0].bufferBody: a buffered body needs maxBodyBytes of at most 1 MiB"), "{e}");
     let e = error_of(&route("    match: { path: { value: /t } }\n    wasmFilters: [{ name: nothing-here }]\n"));
     assert!(e.contains("routes[0].wasmFilters[0].name: no filter manifest teams/t/filters/nothing-here.yaml"), "{e}");
+    // A manifest's module stays inside the team's filters/ folder.
+    for module in ["/dev/zero", "../../../secret.wasm", "./f.wasm", "a\\\\b.wasm"] {
+        let dir = repo_t(&route("    match: { path: { value: /t } }\n    wasmFilters: [{ name: f }]\n"));
+        write(dir.path(), "teams/t/filters/f.yaml", &format!("module: \"{module}\"\nlimits: {{}}\n"));
+        let e = compile(dir.path()).err().map(|r| r.0.iter().map(ToString::to_string).collect::<Vec<_>>());
+        let shown = module.replace("\\\\", "\\");
+        assert_eq!(
+            e,
+            Some(vec![format!(
+                "teams/t/filters/f.yaml: module: {shown:?}: a file name inside teams/t/filters/ (no absolute path, '.' or '..') (owner: t)"
+            )])
+        );
+    }
     let e = error_of(&route(
         "    match: { path: { value: /t } }\n    wasmFilters: [{ name: f, quarantine: { failurePercent: 0 } }]\n",
     ));
@@ -469,6 +482,76 @@ fn a_transcoded_route_carries_its_descriptors_and_is_checked() {
     assert_eq!(
         errs(dir.path()),
         ["teams/t/routes.yaml: routes[0].grpc.proto: no file teams/t/proto/other.proto (owner: t)"]
+    );
+
+    // Read whole: a body over 1 MiB is refused at the field.
+    write(dir.path(), "teams/t/proto/things.proto", PROTO);
+    write(dir.path(), "teams/t/routes.yaml", &routes.replace("    grpc:", "    maxBodyBytes: 1048577\n    grpc:"));
+    assert_eq!(
+        errs(dir.path()),
+        [
+            "teams/t/routes.yaml: routes[0].maxBodyBytes: a gRPC-transcoded route reads its body whole: maxBodyBytes of at most 1 MiB (owner: t)"
+        ]
+    );
+    write(dir.path(), "teams/t/routes.yaml", &routes.replace("    grpc:", "    maxBodyBytes: 1048576\n    grpc:"));
+    assert_eq!(compile(dir.path()).unwrap().snapshot.routes[0].max_body_bytes, 1 << 20);
+    write(dir.path(), "teams/t/routes.yaml", &routes);
+
+    // Imports stay inside the team's proto/ folder, as regular files of bounded size.
+    let with_import =
+        |import: &str| PROTO.replace("import \"google", &format!("import \"{import}\";\nimport \"google"));
+    let refused = |import: &str, why: &str| {
+        vec![format!("teams/t/proto/things.proto: does not compile: \"{import}\" refused: {why} (owner: t)")]
+    };
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("/dev/zero"));
+    assert_eq!(errs(dir.path()), refused("/dev/zero", "an absolute path (imports are relative to teams/t/proto/)"));
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("../../../x.proto"));
+    assert_eq!(
+        errs(dir.path()),
+        refused("../../../x.proto", "'..' or '.' in a path (imports stay inside teams/t/proto/)")
+    );
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("google\\api\\http.proto"));
+    assert_eq!(errs(dir.path()), refused("google\\api\\http.proto", "a backslash in a file name"));
+    let outside = tempfile::tempdir().unwrap();
+    write(outside.path(), "secret.proto", "syntax = \"proto3\";\n");
+    std::os::unix::fs::symlink(outside.path().join("secret.proto"), dir.path().join("teams/t/proto/link.proto"))
+        .unwrap();
+    std::os::unix::fs::symlink(outside.path(), dir.path().join("teams/t/proto/out")).unwrap();
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("link.proto"));
+    assert_eq!(errs(dir.path()), refused("link.proto", "a symbolic link out of teams/t/proto/"));
+    // Whether a file exists past a link out is not told.
+    for name in ["out/secret.proto", "out/missing.proto"] {
+        write(dir.path(), "teams/t/proto/things.proto", &with_import(name));
+        assert_eq!(errs(dir.path()), refused(name, "a symbolic link out of teams/t/proto/"));
+    }
+    let made = std::process::Command::new("mkfifo").arg(dir.path().join("teams/t/proto/fifo.proto")).status().unwrap();
+    assert!(made.success());
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("fifo.proto"));
+    assert_eq!(errs(dir.path()), refused("fifo.proto", "not a regular file, refused"));
+    write(dir.path(), "teams/t/proto/big.proto", &" ".repeat(usize::try_from(PROTO_FILE_CAP).unwrap() + 1));
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("big.proto"));
+    assert_eq!(
+        errs(dir.path()),
+        refused("big.proto", &format!("{} bytes, over the limit of {PROTO_FILE_CAP}", PROTO_FILE_CAP + 1))
+    );
+    // A chain of imports longer than the file cap.
+    for i in 0..=PROTO_FILES_CAP {
+        write(
+            dir.path(),
+            &format!("teams/t/proto/c/{i}.proto"),
+            &format!("syntax = \"proto3\";\nimport \"c/{}.proto\";\n", i + 1),
+        );
+    }
+    write(dir.path(), &format!("teams/t/proto/c/{}.proto", PROTO_FILES_CAP + 1), "syntax = \"proto3\";\n");
+    write(dir.path(), "teams/t/proto/things.proto", &with_import("c/0.proto"));
+    let e = errs(dir.path());
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].contains(&format!("more than {PROTO_FILES_CAP} .proto files in one compile")), "{e:?}");
+    // The main file is read by the same rules.
+    write(dir.path(), "teams/t/routes.yaml", &routes.replace("things.proto", "fifo.proto"));
+    assert_eq!(
+        errs(dir.path()),
+        ["teams/t/proto/fifo.proto: does not compile: \"fifo.proto\" refused: not a regular file, refused (owner: t)"]
     );
 }
 

@@ -38,6 +38,15 @@
 //! client.rs   the CLI's request to a control plane
 //! ```
 
+/// Writes one line of the control plane's log (`posternctl serve: ...`), formatted as
+/// `format!`; node names, node-supplied errors and anything else in it cannot split it
+/// ([`log_line`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        eprintln!("{}", $crate::serve::log_line(&format!($($arg)*)))
+    };
+}
+
 mod client;
 mod keys;
 mod nodes;
@@ -129,7 +138,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         Some(spec) => {
             let spec = spec.clone();
             let store = tokio::task::spawn_blocking(move || UsageStore::open_spec(&spec)).await??;
-            eprintln!("posternctl serve: usage store {}", store.location());
+            say!("usage store {}", store.location());
             Some(Arc::new(store))
         }
         None => None,
@@ -161,7 +170,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     // Room for a fleet of nodes reconnecting at once (`TcpListener::bind` asks for 128).
     let listener = postern_model::net::listen(settings.listen, postern_model::net::BACKLOG)?;
     let addr = listener.local_addr()?;
-    eprintln!("posternctl serve: listening on {addr}");
+    say!("listening on {addr}");
     outln!("{addr}");
     {
         let server = server.clone();
@@ -179,7 +188,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         }
         if let Some(kafka) = settings.usage_kafka {
             let consumer = stream::consumer(&kafka).await?;
-            eprintln!("posternctl serve: consuming usage from Kafka topic {} at {}", kafka.topic, kafka.brokers);
+            say!("consuming usage from Kafka topic {} at {}", kafka.topic, kafka.brokers);
             tokio::spawn(server.clone().consume_usage(consumer));
         }
     } else if settings.usage_kafka.is_some() {
@@ -399,5 +408,24 @@ impl Server {
             (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
             _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
         }
+    }
+}
+
+/// One line of the control plane's log: `text`, with control characters escaped
+/// ([`postern_model::log_safe`]), after `posternctl serve: `.
+pub(crate) fn log_line(text: &str) -> String {
+    format!("posternctl serve: {}", postern_model::log_safe(text))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_node_supplied_name_or_error_stays_on_its_line() {
+        let node = "node-1\nposternctl serve: node-2 refused snapshot v9";
+        assert_eq!(
+            super::log_line(&format!("node {node} refused snapshot v3: bad\r\u{1b}[2K")),
+            "posternctl serve: node node-1\\nposternctl serve: node-2 refused snapshot v9 refused snapshot v3: bad\\r\\u{1b}[2K"
+        );
+        assert_eq!(super::log_line("listening on 127.0.0.1:1"), "posternctl serve: listening on 127.0.0.1:1");
     }
 }

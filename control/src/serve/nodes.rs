@@ -43,11 +43,11 @@ impl Server {
                             .unwrap_or_else(|e| Err(e.to_string()));
                             match wrote {
                                 Ok(()) => written = v.number,
-                                Err(e) => eprintln!("posternctl serve: publish dir: {e}"),
+                                Err(e) => say!("publish dir: {e}"),
                             }
                         }
                         Ok(None) => {}
-                        Err(e) => eprintln!("posternctl serve: publish dir: cannot read the credentials head: {e}"),
+                        Err(e) => say!("publish dir: cannot read the credentials head: {e}"),
                     }
                 }
                 if let Ok(Err(_)) = tokio::time::timeout(Duration::from_secs(5), heads.changed()).await {
@@ -178,7 +178,7 @@ impl Server {
             lane.version = lane.version.max(running);
         });
         if !ack.ok {
-            eprintln!("posternctl serve: node {node} refused {} v{}", kind.as_str(), ack.version);
+            say!("node {node} refused {} v{}", kind.as_str(), ack.version);
         }
         json(StatusCode::OK, &serde_json::json!({"ok": true}))
     }

@@ -107,7 +107,7 @@ impl Server {
         if changed {
             let delta = CredentialsDelta { over_quota: added, ..CredentialsDelta::between(base.number, v.number) };
             self.offer_delta(&base, &v, delta, &was, &creds);
-            eprintln!("posternctl serve: credentials v{}: {note}", v.number);
+            say!("credentials v{}: {note}", v.number);
         }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);
@@ -129,13 +129,13 @@ impl Server {
         let doc = match DeltaDoc::new(delta, self.store.signer()) {
             Ok(doc) => doc,
             Err(e) => {
-                eprintln!("posternctl serve: credentials v{}: no delta: {e}", v.number);
+                say!("credentials v{}: no delta: {e}", v.number);
                 return;
             }
         };
         let exact = v.number == base.number + 1 && was.with_delta(&doc.delta).same_state(whole);
         if !exact {
-            eprintln!("posternctl serve: credentials v{} goes whole (not as a delta of v{})", v.number, base.number);
+            say!("credentials v{} goes whole (not as a delta of v{})", v.number, base.number);
             return;
         }
         if let (Ok(bytes), Ok(mut deltas)) = (serde_json::to_vec(&doc), self.deltas.lock()) {
@@ -152,7 +152,7 @@ impl Server {
         loop {
             let _ = tokio::time::timeout(FLAG_PASS, self.quota.wake.notified()).await;
             if let Err(e) = self.publish_flags().await {
-                eprintln!("posternctl serve: over-quota flags: {e}");
+                say!("over-quota flags: {e}");
             }
         }
     }
@@ -171,13 +171,13 @@ impl Server {
             let p = period.clone();
             match blocking(&usage, move |u| if u.is_final(&p)? { Ok(None) } else { u.reconcile(&p, now) }).await {
                 Ok(Some(r)) if r.is_final => {
-                    eprintln!("posternctl serve: usage period {period} reconciled: final, {} billable", r.billable)
+                    say!("usage period {period} reconciled: final, {} billable", r.billable)
                 }
                 Ok(Some(r)) => {
-                    eprintln!("posternctl serve: usage period {period} not final yet: {}", r.blocking.join("; "))
+                    say!("usage period {period} not final yet: {}", r.blocking.join("; "))
                 }
                 Ok(None) => {}
-                Err(e) => eprintln!("posternctl serve: reconcile {period}: {e}"),
+                Err(e) => say!("reconcile {period}: {e}"),
             }
             tokio::time::sleep(RECONCILE_EVERY).await;
         }
@@ -191,7 +191,7 @@ impl Server {
         let client = match postern_model::tls::client(None) {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("posternctl serve: quota webhook: {e}");
+                say!("quota webhook: {e}");
                 return;
             }
         };
@@ -201,7 +201,7 @@ impl Server {
             let due = match blocking(&usage, move |u| u.events(0, 100, Some(now))).await {
                 Ok(d) => d,
                 Err(e) => {
-                    eprintln!("posternctl serve: quota webhook: {e}");
+                    say!("quota webhook: {e}");
                     continue;
                 }
             };
@@ -209,13 +209,13 @@ impl Server {
                 let result = deliver(&client, &url, &event).await;
                 let ok = result.is_ok();
                 if let Err(e) = &result {
-                    eprintln!("posternctl serve: quota webhook: event {}: {e}", event.id);
+                    say!("quota webhook: event {}: {e}", event.id);
                 }
                 let backoff = 1u64 << event.attempts.min(9);
                 let next = now + backoff.min(WEBHOOK_MAX_BACKOFF_S);
                 let id = event.id;
                 if let Err(e) = blocking(&usage, move |u| u.delivered(id, ok, next)).await {
-                    eprintln!("posternctl serve: quota webhook: {e}");
+                    say!("quota webhook: {e}");
                 }
                 if !ok {
                     // The receiver is down: the rest waits for the next pass.

@@ -25,7 +25,7 @@ impl Server {
                 Step::Deliver => self.heads.send_modify(|h| h.2 += 1),
                 Step::Done => {
                     if let Some(r) = self.take_rollout() {
-                        eprintln!("posternctl serve: v{} is on every node", r.to);
+                        say!("v{} is on every node", r.to);
                         self.set_last(serde_json::json!({"to": r.to, "from": r.from, "outcome": "done"}));
                     }
                     self.heads.send_modify(|h| h.2 += 1);
@@ -49,7 +49,7 @@ impl Server {
     async fn revert(&self, why: String) {
         let _one = self.publishing.lock().await;
         let Some(r) = self.take_rollout() else { return };
-        eprintln!("posternctl serve: reverting v{}: {why}", r.to);
+        say!("reverting v{}: {why}", r.to);
         let note = format!("v{} reverted to the contents of v{}: {why}", r.to, r.from);
         let published = match self.store.get(Lane::Snapshot, r.from).await {
             Ok(Some(old)) => match postern_model::SnapshotFile::open_envelope(&old.bytes) {
@@ -80,7 +80,7 @@ impl Server {
             }
             Err(e) => {
                 // The rollout stays stopped where it was: nodes keep what they run.
-                eprintln!("posternctl serve: cannot publish the revert of v{}: {e}", r.to);
+                say!("cannot publish the revert of v{}: {e}", r.to);
                 self.set_last(serde_json::json!({
                     "to": r.to, "from": r.from, "outcome": "revert_failed", "reason": why, "error": e,
                 }));

@@ -67,7 +67,7 @@ impl StreamStats {
     }
 
     fn failed(&self, e: String) {
-        eprintln!("posternctl serve: usage stream: {e}");
+        say!("usage stream: {e}");
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
     }
 }

@@ -87,7 +87,7 @@ impl Server {
                 ..CredentialsDelta::between(base.number, v.number)
             };
             self.offer_delta(&base, &v, delta, &was, &creds);
-            eprintln!("posternctl serve: credentials v{}: {note}", v.number);
+            say!("credentials v{}: {note}", v.number);
         }
         self.heads.send_modify(|h| h.1 = h.1.max(v.number));
         drop(one);

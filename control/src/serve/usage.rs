@@ -66,11 +66,11 @@ impl Server {
         match self.apply_usage(store, batch.windows).await {
             Ok(ack) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
             Err(e @ ApplyError::Conflict { .. }) => {
-                eprintln!("posternctl serve: {e}");
+                say!("{e}");
                 error(StatusCode::CONFLICT, e.to_string())
             }
             Err(e @ ApplyError::Refused(_)) => {
-                eprintln!("posternctl serve: {e}");
+                say!("{e}");
                 error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
             }
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

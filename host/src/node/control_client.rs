@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use sha2::Digest as _;
 
 use postern_model::credentials::DeltaDoc;
@@ -81,14 +81,16 @@ pub fn watch_drop(gw: Arc<Gateway>, dir: PathBuf, every: Duration, credentials: 
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let stamp = std::fs::metadata(&path).ok().map(|m| (m.modified().ok(), m.len()));
+            // The entry itself (a symbolic link is not followed): each change is read once.
+            let stamp = std::fs::symlink_metadata(&path).ok().map(|m| (m.modified().ok(), m.len(), m.file_type()));
             if stamp.is_none() || stamp == seen {
                 continue;
             }
             seen = stamp;
             let (gw, path, credentials) = (gw.clone(), path.clone(), credentials.clone());
             let done = tokio::task::spawn_blocking(move || {
-                let bytes = std::fs::read(&path).map_err(|e| e.to_string())?;
+                let bytes = live::read_file(&gw, &path, disk::CREDENTIALS_FILE_CAP, live::Origin::Shared)
+                    .map_err(|e| e.to_string())?;
                 // One writer of the live state and its file at a time: the lanes and this.
                 let _one = gw.credentials_writer.lock().unwrap_or_else(|p| p.into_inner());
                 let applied = live::apply_credentials_if(&gw, &bytes, |offered, live| offered > live)
@@ -103,7 +105,7 @@ pub fn watch_drop(gw: Arc<Gateway>, dir: PathBuf, every: Duration, credentials: 
                 Ok(Ok(true)) => tracing::info!(dir = %dir.display(), "credentials taken from the publish directory"),
                 Ok(Ok(false)) => {}
                 Ok(Err(e)) => {
-                    tracing::error!(dir = %dir.display(), error = %e, "publish directory: credentials refused")
+                    tracing::error!(dir = ?dir, error = ?e, "publish directory: credentials refused")
                 }
                 Err(e) => tracing::error!(error = %e, "publish directory: reader failed"),
             }
@@ -140,7 +142,8 @@ async fn report(gw: Arc<Gateway>, s: Arc<ControlSettings>, client: Http) {
         let answer = async {
             let resp = client.request(req).await.map_err(|e| e.to_string())?;
             let status = resp.status();
-            let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+            // The list of routes to watch: small, whatever the answer says.
+            let body = Limited::new(resp.into_body(), 1 << 20).collect().await.map_err(|e| e.to_string())?.to_bytes();
             if !status.is_success() {
                 return Err(format!("{status}"));
             }
@@ -298,7 +301,16 @@ async fn get(client: &Http, s: &ControlSettings, lane: Lane, poll: Poll) -> Resu
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| e.to_string())?;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    // A version is no bigger than the file a node would read it from.
+    let cap = match lane {
+        Lane::Snapshot => disk::SNAPSHOT_FILE_CAP,
+        Lane::Credentials => disk::CREDENTIALS_FILE_CAP,
+    };
+    let body = Limited::new(resp.into_body(), usize::try_from(cap).unwrap_or(usize::MAX))
+        .collect()
+        .await
+        .map_err(|e| format!("{url}: {e} (the limit is {cap} bytes)"))?
+        .to_bytes();
     match status {
         StatusCode::OK => Ok(Some(body)),
         StatusCode::NO_CONTENT => Ok(None),
@@ -344,7 +356,13 @@ async fn fetch_modules(client: &Http, s: &ControlSettings, snapshot: &[u8]) -> R
         if resp.status() != StatusCode::OK {
             return Err(format!("module {hex}: {}", resp.status()));
         }
-        let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        // No bigger than a module a compile would read.
+        let cap = disk::MODULE_FILE_CAP;
+        let body = Limited::new(resp.into_body(), usize::try_from(cap).unwrap_or(usize::MAX))
+            .collect()
+            .await
+            .map_err(|e| format!("module {hex}: {e} (the limit is {cap} bytes)"))?
+            .to_bytes();
         if hex::encode(sha2::Sha256::digest(&body)) != hex {
             return Err(format!("module {hex}: its content does not match its digest"));
         }

@@ -176,6 +176,12 @@ impl Metrics {
                 "Credential states refused.",
                 &self.credentials_failed,
             ),
+            (
+                "postern_files_refused_total",
+                "counter",
+                "Files refused before reading: a symbolic link, not a regular file, or over its size cap.",
+                &self.files_refused,
+            ),
         ];
         for (name, kind, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", v.load(Ordering::Relaxed));

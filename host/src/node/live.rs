@@ -61,13 +61,40 @@ pub enum ApplyError {
     },
 }
 
+/// Where a file a node reads lies: the node's own files (named by its operator, a
+/// symbolic link into a mounted configuration followed) or a folder others write (the
+/// publish directory: no link followed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// `--snapshot`, `--credentials`: [`disk::read_regular`].
+    Own,
+    /// `--credentials-dir`: [`disk::read_untrusted`].
+    Shared,
+}
+
+/// Reads a file a node serves from, a regular file of at most `cap` bytes (see
+/// [`Origin`]); a refusal (a symbolic link where none is followed, not a regular file,
+/// over the cap) is counted in `postern_files_refused_total`.
+pub fn read_file(gw: &Gateway, path: &Path, cap: u64, origin: Origin) -> std::io::Result<Vec<u8>> {
+    let read = match origin {
+        Origin::Own => disk::read_regular(path, cap),
+        Origin::Shared => disk::read_untrusted(path, cap),
+    };
+    if let Err(e) = &read
+        && disk::is_refusal(e)
+    {
+        gw.metrics.files_refused.fetch_add(1, Ordering::Relaxed);
+    }
+    read
+}
+
 /// Reads the snapshot file and swaps it in, unless it fails to build or is not newer.
 pub fn reload(gw: &Gateway, builder: &Builder, path: &Path) {
-    let bytes = match std::fs::read(path) {
+    let bytes = match read_file(gw, path, disk::SNAPSHOT_FILE_CAP, Origin::Own) {
         Ok(b) => b,
         Err(e) => {
             gw.metrics.reloads_failed.fetch_add(1, Ordering::Relaxed);
-            tracing::error!(path = %path.display(), error = %e, "snapshot refused: cannot read it; keeping the live one");
+            tracing::error!(path = ?path, error = %e, "snapshot refused: cannot read it; keeping the live one");
             return;
         }
     };
@@ -107,7 +134,7 @@ pub fn apply_snapshot(gw: &Gateway, builder: &Builder, bytes: &[u8]) -> Result<(
 /// Reads the credentials file and swaps it in whole, unless it is not newer than the live
 /// one; a refused file leaves the live state in place.
 pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), ApplyError> {
-    let result = match std::fs::read(path) {
+    let result = match read_file(gw, path, disk::CREDENTIALS_FILE_CAP, Origin::Own) {
         Ok(bytes) => apply_credentials(gw, &bytes),
         Err(e) => {
             gw.metrics.credentials_failed.fetch_add(1, Ordering::Relaxed);
@@ -115,7 +142,7 @@ pub fn reload_credentials(gw: &Gateway, path: &Path) -> Result<(), ApplyError> {
         }
     };
     if let Err(why) = &result {
-        tracing::error!(path = %path.display(), error = %why, "credentials refused; keeping the live ones");
+        tracing::error!(path = ?path, error = %why, "credentials refused; keeping the live ones");
     }
     result
 }

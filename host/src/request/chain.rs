@@ -44,7 +44,7 @@ pub(crate) async fn run_body_filters(
     body: &[u8],
     cx: &Context,
 ) -> Result<(), Ending> {
-    for f in &route.filters {
+    for f in route.chain() {
         match f.on_request_body(parts, body, cx) {
             Flow::Continue => {}
             Flow::Respond(r) => return Err(Ending::Reply(r)),

@@ -89,18 +89,22 @@ fn folds_to(name: &[u8], want: &[u8]) -> bool {
     name.len() == want.len() && name.iter().zip(want).all(|(&a, &b)| fold(a) == b)
 }
 
-/// Whether a client must not send this header: an identity header (`x-auth-*`) or a
+/// Prefixes no client may send: identity headers (`x-auth-*`) and the gateway's own
+/// (`x-postern-*`: retry and overload marks between nodes and backends, versions).
+const PROTECTED_PREFIXES: [&[u8]; 2] = [b"x-auth-", b"x-postern-"];
+
+/// Whether a client must not send this header: one of the [`PROTECTED_PREFIXES`] or a
 /// [`PROTECTED`] one, in every spelling that folds to it.
 fn is_protected(name: &str) -> bool {
     let n = name.as_bytes();
-    if n.len() >= 7 && folds_to(&n[..7], b"x-auth-") {
+    if PROTECTED_PREFIXES.iter().any(|p| n.get(..p.len()).is_some_and(|head| folds_to(head, p))) {
         return true;
     }
     PROTECTED.iter().any(|p| folds_to(n, p))
 }
 
 /// Removes every header a client must never set: identity headers (`x-auth-*`), the
-/// gateway's own request id and deadline, method and URL override headers and
+/// gateway's own headers (`x-postern-*`), its request id and deadline, method and URL override headers and
 /// client-address headers — each also in the spellings (`_`, `.`) that backends fold to
 /// it. The gateway then sets its own forwarding headers (`x-forwarded-*`, `forwarded`,
 /// `x-real-ip`) from the connection.
@@ -227,6 +231,7 @@ mod tests {
         h.append("x-auth-scopes", HeaderValue::from_static("all"));
         h.insert("x-request-id", HeaderValue::from_static("mine"));
         h.insert("x-authz", HeaderValue::from_static("kept"));
+        h.insert("x-posternx", HeaderValue::from_static("kept"));
         for name in [
             "x_auth_subject",
             "x.auth.scopes",
@@ -239,12 +244,16 @@ mod tests {
             "true-client-ip",
             "x_forwarded_for",
             "x-forwarded-port",
+            "x-postern-retry",
+            "x-postern-overloaded",
+            "x_postern_not_processed",
+            "x.postern.anything",
         ] {
             h.insert(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_static("forged"));
         }
         strip_client_identity(&mut h);
-        assert_eq!(h.len(), 1, "{h:?}");
-        assert!(h.contains_key("x-authz"));
+        assert_eq!(h.len(), 2, "{h:?}");
+        assert!(h.contains_key("x-authz") && h.contains_key("x-posternx"));
     }
 
     #[test]

@@ -15,7 +15,7 @@ impl host::Host for State {
         if !end {
             return Ok(());
         }
-        let message = String::from_utf8_lossy(&self.line).into_owned();
+        let message = log_line(&self.line);
         self.line.clear();
         if matches!(level, Level::Error) && message.starts_with("filter panicked") {
             self.panicked = true;
@@ -50,6 +50,12 @@ impl host::Host for State {
 /// A log line is cut at this many bytes.
 const MAX_LOG_LINE: usize = 1024;
 
+/// A filter's log line as it is logged: invalid UTF-8 replaced, control characters
+/// escaped ([`postern_model::log_safe`]), so a filter cannot split a line or forge another.
+fn log_line(bytes: &[u8]) -> String {
+    postern_model::log_safe(&String::from_utf8_lossy(bytes)).into_owned()
+}
+
 /// The first `len` bytes (at most 64) of a chunk of text: byte `i` is byte `i % 8` of
 /// word `i / 8`, little-endian.
 fn chunk_bytes(c: host::Chunk, len: u8) -> impl Iterator<Item = u8> {
@@ -57,3 +63,15 @@ fn chunk_bytes(c: host::Chunk, len: u8) -> impl Iterator<Item = u8> {
 }
 
 impl types::Host for State {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_filter_log_line_is_one_line() {
+        assert_eq!(
+            super::log_line(b"denied\nINFO forged line\r\x1b[2J\xff"),
+            "denied\\nINFO forged line\\r\\u{1b}[2J\u{fffd}"
+        );
+        assert_eq!(super::log_line(b"filter panicked at x"), "filter panicked at x");
+    }
+}
