@@ -105,11 +105,11 @@ pub(crate) enum Command {
         /// second revocation path nodes poll (`postern --credentials-dir`).
         #[arg(long, value_name = "DIR")]
         publish_dir: Option<PathBuf>,
-        /// The usage store (SQLite) nodes' windows are applied to; default
-        /// `<store>/usage.db` for a directory store, none for PostgreSQL (the intake then
-        /// answers 503 and nodes keep their windows spooled).
-        #[arg(long, value_name = "FILE")]
-        usage_db: Option<PathBuf>,
+        /// The usage store nodes' windows are applied to: a SQLite file, or a PostgreSQL
+        /// database (`postgres://…`); default `<store>/usage.db` for a directory store,
+        /// and the store's own database for a PostgreSQL store.
+        #[arg(long, value_name = "FILE|URL")]
+        usage_db: Option<String>,
         /// Post quota events (a caller passed 80 % or 100 % of its plan's quota) to this
         /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer).
         #[arg(long, value_name = "URL")]

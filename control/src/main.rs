@@ -408,8 +408,15 @@ fn main() -> ExitCode {
                 ..Default::default()
             };
             let tls = tls_cert.zip(tls_key);
-            let usage_db = usage_db
-                .or_else(|| (!posternctl::store::is_postgres(&store)).then(|| Path::new(&store).join("usage.db")));
+            // A directory store keeps usage in `usage.db` beside it; a PostgreSQL store in
+            // the same database, unless --usage-db says otherwise.
+            let usage_db = usage_db.or_else(|| {
+                if posternctl::store::is_postgres(&store) {
+                    Some(store.clone())
+                } else {
+                    Some(Path::new(&store).join("usage.db").display().to_string())
+                }
+            });
             let settings = posternctl::serve::ServeSettings {
                 repo,
                 listen,

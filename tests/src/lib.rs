@@ -666,6 +666,39 @@ pub mod control_plane {
         path
     }
 
+    /// A PostgreSQL database of a test's own on 127.0.0.1:5432 (the machine's server),
+    /// dropped when the value is.
+    pub struct PgDb {
+        /// `postgres://postgres@127.0.0.1:5432/<name>`.
+        pub url: String,
+        name: String,
+    }
+
+    impl PgDb {
+        /// Creates a uniquely named database.
+        pub fn create() -> PgDb {
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+            let name = format!("postern_e2e_{}_{nanos}", std::process::id());
+            psql(&format!("CREATE DATABASE {name}"));
+            PgDb { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name }
+        }
+    }
+
+    impl Drop for PgDb {
+        fn drop(&mut self) {
+            let _ = Command::new("psql")
+                .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-c"])
+                .arg(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                .output();
+        }
+    }
+
+    fn psql(sql: &str) {
+        let out =
+            Command::new("psql").args(["-h", "127.0.0.1", "-U", "postgres", "-d", "postgres", "-c", sql]).output();
+        assert!(out.as_ref().is_ok_and(|o| o.status.success()), "psql {sql}: {out:?}");
+    }
+
     /// Starts `posternctl serve` on an ephemeral port with the signing key beside `tokens`.
     pub fn serve(repo: &Path, store: &str, tokens: &Path, extra: &[&str]) -> ControlPlane {
         let mut child = Command::new(bin("posternctl"))

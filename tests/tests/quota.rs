@@ -94,6 +94,17 @@ async fn credentials_version(node: &Node) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is_never_refused() {
+    hard_and_overage(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is_never_refused() {
+    hard_and_overage(Some(PgDb::create())).await;
+}
+
+/// The quota flow with a control plane on a directory store (usage in SQLite), or all in
+/// PostgreSQL database `pg` (dropped after the control plane).
+async fn hard_and_overage(pg: Option<PgDb>) {
     let echo = Echo::start("e");
     let repo = Repo::new();
     platform(&repo, &[("e", &echo.addr())]);
@@ -104,8 +115,11 @@ async fn a_hard_quota_refuses_on_every_node_until_its_period_ends_and_overage_is
     let hook = webhook().await;
     let work = tempfile::tempdir().unwrap();
     let tokens = write_tokens(work.path());
-    let store = work.path().join("store");
-    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &["--dwell", "0s", "--quota-webhook", &hook.url]);
+    let store = match &pg {
+        Some(db) => db.url.clone(),
+        None => work.path().join("store").to_str().unwrap().to_owned(),
+    };
+    let cp = serve(repo.path(), &store, &tokens, &["--dwell", "0s", "--quota-webhook", &hook.url]);
     ctl(&cp, &["publish"]);
     let nodes = [
         start_node(&cp.url, &work.path().join("n0"), "node-0"),

@@ -21,6 +21,9 @@ use postern_e2e::{Echo, Node, Repo, bin, get, new_key, platform, send};
 const TEAM_T_ROUTES: &str = "routes:\n  - name: search\n    match: { path: { value: /search } }\n    auth: { methods: [apiKey], product: search }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n  - name: open\n    public: true\n    match: { path: { value: /open } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n";
 
 struct Fleet {
+    /// The PostgreSQL database of a control plane on PostgreSQL (its snapshots and its
+    /// usage store); dropped last.
+    _pg: Option<PgDb>,
     _echo: Echo,
     repo: Repo,
     work: tempfile::TempDir,
@@ -28,6 +31,12 @@ struct Fleet {
 }
 
 fn fleet() -> Fleet {
+    fleet_on(None)
+}
+
+/// A fleet whose control plane keeps everything in PostgreSQL database `pg` (usage in the
+/// same database: no `--usage-db`), or in a directory store with `usage.db` beside it.
+fn fleet_on(pg: Option<PgDb>) -> Fleet {
     let echo = Echo::start("e");
     let repo = Repo::new();
     platform(&repo, &[("e", &echo.addr())]);
@@ -35,9 +44,12 @@ fn fleet() -> Fleet {
     repo.write("teams/t/routes.yaml", TEAM_T_ROUTES);
     let work = tempfile::tempdir().unwrap();
     let tokens = write_tokens(work.path());
-    let store = work.path().join("store");
-    let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &["--dwell", "0s"]);
-    Fleet { _echo: echo, repo, work, cp }
+    let store = match &pg {
+        Some(db) => db.url.clone(),
+        None => work.path().join("store").to_str().unwrap().to_owned(),
+    };
+    let cp = serve(repo.path(), &store, &tokens, &["--dwell", "0s"]);
+    Fleet { _pg: pg, _echo: echo, repo, work, cp }
 }
 
 /// Calls `/search` as `key` with `?status=`; the status the client saw.
@@ -54,7 +66,16 @@ async fn post_usage(cp: &ControlPlane, token: Option<&str>, body: impl Into<Byte
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
-    let Fleet { _echo, repo, work, cp } = fleet();
+    billed_once_and_bad_windows_change_nothing(fleet()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
+    billed_once_and_bad_windows_change_nothing(fleet_on(Some(PgDb::create()))).await;
+}
+
+async fn billed_once_and_bad_windows_change_nothing(fleet: Fleet) {
+    let Fleet { _pg, _echo, repo, work, cp } = fleet;
     let k1 = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
     let k2 = new_key(repo.path(), "k2", "app2", "acme", "gold", &[]);
     ctl(&cp, &["publish"]);
@@ -121,6 +142,12 @@ async fn every_billable_call_is_billed_once_and_bad_windows_change_nothing() {
     };
     assert_eq!(team(TEAM_T_TOKEN), 2);
     assert_eq!(team(TEAM_X_TOKEN), 0);
+    // A team's range spans at most 31 days: a longer one is refused, naming the rule.
+    let auth = format!("Bearer {TEAM_T_TOKEN}");
+    let long = get(&format!("{}/v1/usage?from=2026-01-01&to=2026-03-01", cp.url), &[("authorization", &auth)]).await;
+    let why = String::from_utf8_lossy(&long.body).into_owned();
+    assert_eq!(long.status, StatusCode::BAD_REQUEST, "{why}");
+    assert!(why.contains("team_range"), "{why}");
 
     // Every window was acknowledged (the store applied them before it answered; the node
     // records the answer just after); the node serves them again for re-sends.
@@ -186,7 +213,7 @@ fn node_args<'a>(cp: &'a ControlPlane, key: &'a Path) -> Vec<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothing_twice() {
-    let Fleet { _echo, repo, work, cp } = fleet();
+    let Fleet { _pg, _echo, repo, work, cp } = fleet();
     let key = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
     ctl(&cp, &["publish"]);
     let dir = work.path().join("n0");
@@ -255,7 +282,7 @@ async fn a_node_killed_mid_window_loses_at_most_its_last_second_and_counts_nothi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_spool_and_an_absent_control_plane_delay_usage_and_lose_none_of_it() {
-    let Fleet { _echo, repo, work, cp } = fleet();
+    let Fleet { _pg, _echo, repo, work, cp } = fleet();
     // Sixteen keys make a window of about 3 KiB: a 5 KiB spool holds one.
     let keys: Vec<(String, String)> = (0..16)
         .map(|i| (format!("k{i:02}"), new_key(repo.path(), &format!("k{i:02}"), "app", "acme", "gold", &[])))
@@ -316,7 +343,7 @@ async fn a_full_spool_and_an_absent_control_plane_delay_usage_and_lose_none_of_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_usage_store_is_refilled_from_the_nodes_spools() {
-    let Fleet { _echo, repo, work, cp } = fleet();
+    let Fleet { _pg, _echo, repo, work, cp } = fleet();
     let key = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
     ctl(&cp, &["publish"]);
     let node = start_node(&cp.url, &work.path().join("n0"), "node-0");
@@ -371,7 +398,7 @@ fn window_json(seq: u64, start: u64, ok: u64) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
-    let Fleet { _echo, repo: _repo, work: _work, cp } = fleet();
+    let Fleet { _pg, _echo, repo: _repo, work: _work, cp } = fleet();
     // 2026-12-01T00:00:00Z: the end of November.
     const DEC: u64 = 1_796_083_200;
     let batch = |windows: Vec<serde_json::Value>| serde_json::json!({ "windows": windows }).to_string();
@@ -481,7 +508,7 @@ async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
 /// its own counts, which let the reconciler close the month.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_reports_its_own_counts_of_a_month_once_it_is_complete() {
-    let Fleet { _echo, repo: _repo, work, cp } = fleet();
+    let Fleet { _pg, _echo, repo: _repo, work, cp } = fleet();
     ctl(&cp, &["publish"]);
     // 2026-12-01T00:00:00Z: the end of November.
     const DEC: u64 = 1_796_083_200;
@@ -527,7 +554,16 @@ fn forged_window(node: &str, seq: u64, start: u64, caller: &str, ok: u64) -> ser
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_token_cannot_report_calls_no_node_could_have_counted() {
-    let Fleet { _echo, repo, work, cp } = fleet();
+    no_node_could_have_counted(fleet()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_node_token_cannot_report_calls_no_node_could_have_counted() {
+    no_node_could_have_counted(fleet_on(Some(PgDb::create()))).await;
+}
+
+async fn no_node_could_have_counted(fleet: Fleet) {
+    let Fleet { _pg, _echo, repo, work, cp } = fleet;
     repo.write(
         "platform/plans.yaml",
         "scopes: []\nproducts: [search]\nplans:\n  capped: { products: [search], quota: { monthly: 1000, mode: hard } }\n",

@@ -103,8 +103,9 @@ pub struct ServeSettings {
     /// the directory (a shared volume or mounted bucket) nodes poll when their streams
     /// are down.
     pub publish_dir: Option<PathBuf>,
-    /// The usage store nodes' windows are applied to (none: the intake answers 503).
-    pub usage_db: Option<PathBuf>,
+    /// The usage store nodes' windows are applied to: a SQLite file's path or a
+    /// `postgres://` URL (none: the intake answers 503).
+    pub usage_db: Option<String>,
     /// Where quota events (80 % and 100 % of a quota) are posted.
     pub quota_webhook: Option<String>,
     /// The usage stream on Kafka, consumed into the usage store beside the HTTP intake.
@@ -134,10 +135,10 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         0,
     );
     let usage = match &settings.usage_db {
-        Some(path) => {
-            let path = path.clone();
-            let store = tokio::task::spawn_blocking(move || UsageStore::open(&path)).await??;
-            say!("usage store {}", store.path().display());
+        Some(spec) => {
+            let spec = spec.clone();
+            let store = tokio::task::spawn_blocking(move || UsageStore::open_spec(&spec)).await??;
+            say!("usage store {}", store.location());
             Some(Arc::new(store))
         }
         None => None,

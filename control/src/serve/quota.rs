@@ -255,10 +255,10 @@ async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &
 
 async fn blocking<T: Send + 'static>(
     usage: &Arc<UsageStore>,
-    f: impl FnOnce(&UsageStore) -> rusqlite::Result<T> + Send + 'static,
+    f: impl FnOnce(&UsageStore) -> Result<T, crate::usage::DbError> + Send + 'static,
 ) -> Result<T, String> {
     let usage = usage.clone();
-    match tokio::task::spawn_blocking(move || f(&usage)).await {
+    match usage.run(f).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(format!("usage store: {e}")),
         Err(e) => Err(e.to_string()),

@@ -55,11 +55,11 @@ impl Server {
             if let Err(e) = w.check() {
                 // Out of shape: refused, and counted for the node it names.
                 let (store, now) = (store.clone(), postern_model::disk::unix_now());
-                let recorded = tokio::task::spawn_blocking(move || store.refused(&e, now).map(|()| e)).await;
+                let recorded = store.run(move |s| s.refused(&e, now).map(|()| e)).await;
                 return match recorded {
                     Ok(Ok(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
                     Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
-                    Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                    Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                 };
             }
         }
@@ -94,14 +94,14 @@ impl Server {
             return error(StatusCode::BAD_REQUEST, e);
         }
         let now = postern_model::disk::unix_now();
-        match tokio::task::spawn_blocking(move || store.put_counters(&counters, now)).await {
+        match store.run(move |s| s.put_counters(&counters, now)).await {
             Ok(Ok(())) => {
                 let mut r = Response::new(Full::new(Bytes::new()));
                 *r.status_mut() = StatusCode::NO_CONTENT;
                 r
             }
             Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
-            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
     }
 
@@ -114,7 +114,8 @@ impl Server {
     ) -> Result<UsageAck, ApplyError> {
         let quotas = self.quotas().await.map_err(|e| ApplyError::Unavailable(format!("quotas: {e}")))?;
         let now = postern_model::disk::unix_now();
-        let ack = tokio::task::spawn_blocking(move || store.apply(&windows, now, &quotas))
+        let ack = store
+            .run(move |s| s.apply(&windows, now, &quotas))
             .await
             .map_err(|e| ApplyError::Unavailable(e.to_string()))??;
         self.quota.wake.notify_one();
@@ -136,12 +137,11 @@ impl Server {
         };
         let now = postern_model::disk::unix_now();
         let (name, kind) = caller.clone();
-        let lifted =
-            match tokio::task::spawn_blocking(move || store.lift_flags(&name, kind, product.as_deref(), now)).await {
-                Ok(Ok(l)) => l,
-                Ok(Err(e)) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
-                Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-            };
+        let lifted = match store.run(move |s| s.lift_flags(&name, kind, product.as_deref(), now)).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        };
         if lifted.is_empty() {
             return error(StatusCode::NOT_FOUND, format!("{} {} has no live over-quota flag", kind.as_str(), caller.0));
         }
@@ -162,15 +162,15 @@ impl Server {
     /// Runs `f` on the usage store off the async workers.
     pub(super) async fn usage_read(
         &self,
-        f: impl FnOnce(&UsageStore) -> rusqlite::Result<serde_json::Value> + Send + 'static,
+        f: impl FnOnce(&UsageStore) -> Result<serde_json::Value, crate::usage::DbError> + Send + 'static,
     ) -> Response<Body> {
         let Some(store) = self.usage.clone() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
         };
-        match tokio::task::spawn_blocking(move || f(&store)).await {
+        match store.run(f).await {
             Ok(Ok(v)) => json(StatusCode::OK, &v),
             Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
-            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
     }
 
@@ -196,6 +196,16 @@ impl Server {
             (Ok(_), Ok(_)) => return error(StatusCode::BAD_REQUEST, "from must be before to"),
             (Err(e), _) | (_, Err(e)) => return error(StatusCode::BAD_REQUEST, e),
         };
+        // A team reads every caller's rows of its routes: its range is bounded (the
+        // default, this month so far, is cut at the bound).
+        let max = crate::usage::MAX_TEAM_RANGE_S;
+        let to = if team.is_some() && get("to").is_none() { to.min(from.saturating_add(max)) } else { to };
+        if team.is_some() && to - from > max {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("team_range: a team's query spans at most {} days; narrow from and to", max / 86_400),
+            );
+        }
         let q = Query { caller: get("key"), product: get("product"), team: team.map(str::to_owned), from, to, by };
         let by_name = get("by").unwrap_or_else(|| "route".into());
         self.usage_read(move |u| {
@@ -217,7 +227,7 @@ impl Server {
         let Some(store) = self.usage.clone() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
         };
-        match tokio::task::spawn_blocking(move || store.export(&period)).await {
+        match store.run(move |s| s.export(&period)).await {
             Ok(Ok(Ok(totals))) => {
                 let mut body = String::new();
                 for t in totals {
@@ -231,7 +241,7 @@ impl Server {
             }
             Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),
             Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
-            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         }
     }
 

@@ -1,12 +1,14 @@
 //! The intake: a batch of nodes' closed windows applied in one transaction, each once,
 //! and the numbers a node still has to send.
 
-use postern_model::protocol::{Missing, UsageAck};
-use postern_model::usage::{LATENCY_BUCKETS, Window, WindowError, month_period};
-use rusqlite::{Connection, OptionalExtension, params};
+use std::collections::{BTreeMap, BTreeSet};
 
+use postern_model::protocol::{Missing, UsageAck};
+use postern_model::usage::{LATENCY_BUCKETS, Row, Window, WindowError, month_period};
+
+use super::db::{DbError, Engine, Lock, Sql, TxError, add, i64_of, int, vals};
 use super::quota::{Quotas, use_quota};
-use super::store::{UsageStore, hist_cols, sql_int};
+use super::store::{UsageStore, hist_cols};
 
 /// Why a batch was not applied (nothing of it was).
 #[derive(Debug, thiserror::Error)]
@@ -28,11 +30,20 @@ pub enum ApplyError {
     Refused(#[from] WindowError),
     /// The database failed.
     #[error("usage store: {0}")]
-    Sql(#[from] rusqlite::Error),
+    Sql(#[from] DbError),
     /// Something the apply needs is not there now (the quotas, a worker thread).
     #[error("usage store: {0}")]
     Unavailable(String),
 }
+
+impl TxError for ApplyError {
+    fn retryable(&self) -> bool {
+        matches!(self, ApplyError::Sql(e) if e.retryable())
+    }
+}
+
+/// Rows of a multi-row upsert at most (SQLite binds at most 32,766 values a statement).
+const UPSERT_ROWS: usize = 500;
 
 impl UsageStore {
     /// Applies checked windows in one transaction: each is added once, a window already
@@ -44,50 +55,79 @@ impl UsageStore {
     /// quota (admitted before the flag reached the nodes) are overshoot, not billed.
     ///
     /// Each new part must be one its node could have counted ([`could_have_counted`]);
-    /// otherwise the batch is refused whole and the refusal is recorded for the node.
+    /// otherwise the batch is refused whole and the refusal is recorded for the node. A
+    /// batch that would take a total past `i64::MAX` is refused the same way (rule
+    /// `total_overflow`), never clamped or wrapped.
     pub fn apply(&self, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
-        let mut conn = self.lock();
-        let result = apply_in(&mut conn, windows, now, quotas);
+        if let Some(pool) = self.pool() {
+            // Per-minute rows go to their month's partition, made before the batch's
+            // transaction (DDL would lock the parent table); months no longer kept get none.
+            let first = super::pg::Pool::first_kept(now);
+            let months: BTreeSet<u64> =
+                windows.iter().map(|w| month_period(w.start).1).filter(|&m| m >= first).collect();
+            for m in months {
+                pool.ensure_month(m, now)?;
+            }
+        }
+        let result = self.tx(|sql| apply_in(sql, windows, now, quotas));
+        let result = match result {
+            Err(ApplyError::Sql(DbError::Overflow)) => Err(ApplyError::Refused(overflow(windows))),
+            r => r,
+        };
         if let Err(ApplyError::Refused(e)) = &result {
             // The batch rolled back; the refusal is recorded on its own.
-            record_refusal(&conn, e, now)?;
+            self.tx(|sql| record_refusal(sql, e, now))?;
         }
         result
     }
 
     /// Records a window refused before it reached [`UsageStore::apply`] (its shape).
-    pub fn refused(&self, e: &WindowError, now: u64) -> rusqlite::Result<()> {
-        record_refusal(&self.lock(), e, now)
+    pub fn refused(&self, e: &WindowError, now: u64) -> Result<(), DbError> {
+        self.tx(|sql| record_refusal(sql, e, now))
     }
 
     /// Refusals of nodes' windows so far: by node and rule, with the last one's number,
     /// time and reason.
-    pub fn refusals(&self) -> rusqlite::Result<Vec<Refusal>> {
-        let conn = self.lock();
-        let mut stmt = conn.prepare_cached(
-            "SELECT node, rule, count, last_at, last_seq, last_why FROM refusals ORDER BY node, rule",
-        )?;
-        stmt.query_map([], |r| {
-            Ok(Refusal {
-                node: r.get(0)?,
-                rule: r.get(1)?,
-                count: r.get::<_, i64>(2)?.max(0) as u64,
-                last_at: r.get::<_, i64>(3)?.max(0) as u64,
-                last_seq: r.get::<_, i64>(4)?.max(0) as u64,
-                last_why: r.get(5)?,
-            })
-        })?
-        .collect()
+    pub fn refusals(&self) -> Result<Vec<Refusal>, DbError> {
+        self.read(|sql| {
+            sql.rows("SELECT node, rule, count, last_at, last_seq, last_why FROM refusals ORDER BY node, rule", &[])?
+                .iter()
+                .map(|r| {
+                    Ok(Refusal {
+                        node: r.text(0)?,
+                        rule: r.text(1)?,
+                        count: r.count(2)?,
+                        last_at: r.count(3)?,
+                        last_seq: r.count(4)?,
+                        last_why: r.text(5)?,
+                    })
+                })
+                .collect()
+        })
     }
 }
 
-fn record_refusal(conn: &Connection, e: &WindowError, now: u64) -> rusqlite::Result<()> {
+/// The refusal of a batch that would take a total past `i64::MAX`, named for its first
+/// window.
+fn overflow(windows: &[Window]) -> WindowError {
+    let (node, seq) = windows.first().map_or((String::new(), 0), |w| (w.node.clone(), w.seq));
+    WindowError::Invalid {
+        node,
+        seq,
+        rule: "total_overflow",
+        why: format!("the batch would take a total past {}: nothing of it is applied", i64::MAX),
+    }
+}
+
+fn record_refusal(sql: &mut dyn Sql, e: &WindowError, now: u64) -> Result<(), DbError> {
     let WindowError::Invalid { node, seq, .. } = e;
-    conn.execute(
+    // The count stops at i64::MAX rather than refusing to count.
+    sql.exec(
         "INSERT INTO refusals (node, rule, count, last_at, last_seq, last_why) VALUES (?1, ?2, 1, ?3, ?4, ?5)
-         ON CONFLICT DO UPDATE SET count = count + 1, last_at = excluded.last_at,
-           last_seq = excluded.last_seq, last_why = excluded.last_why",
-        params![node, e.rule(), sql_int(now), sql_int(*seq), e.to_string()],
+         ON CONFLICT (node, rule) DO UPDATE SET
+           count = CASE WHEN refusals.count < 9223372036854775807 THEN refusals.count + 1 ELSE refusals.count END,
+           last_at = excluded.last_at, last_seq = excluded.last_seq, last_why = excluded.last_why",
+        &vals![node, e.rule(), i64_of(now)?, i64_of(*seq)?, e.to_string()],
     )?;
     Ok(())
 }
@@ -124,7 +164,7 @@ pub const MAX_SEQ_GAP: u64 = 100_000;
 /// number, and in time order with its neighbours (no window after it starts earlier, none
 /// before it later, its other parts start with it), so a node cannot back-date calls
 /// behind its own later windows.
-fn could_have_counted(tx: &rusqlite::Transaction<'_>, w: &Window, now: u64) -> Result<(), ApplyError> {
+fn could_have_counted(sql: &mut dyn Sql, w: &Window, now: u64) -> Result<(), ApplyError> {
     let refuse = |rule: &'static str, why: String| {
         ApplyError::Refused(WindowError::Invalid { node: w.node.clone(), seq: w.seq, rule, why })
     };
@@ -134,34 +174,31 @@ fn could_have_counted(tx: &rusqlite::Transaction<'_>, w: &Window, now: u64) -> R
             format!("starts at {} s, {} s ahead of the control plane's clock", w.start, w.start - now),
         ));
     }
-    let seq = sql_int(w.seq);
-    let top: Option<i64> = tx
-        .query_row(
-            "SELECT seq FROM applied WHERE node = ?1 AND seq <> ?2 ORDER BY seq DESC LIMIT 1",
-            params![w.node, seq],
-            |r| r.get(0),
-        )
-        .optional()?;
-    let top = top.map_or(0, |t| t.max(0) as u64);
+    let seq = i64_of(w.seq)?;
+    let top = sql
+        .row("SELECT seq FROM applied WHERE node = ?1 AND seq <> ?2 ORDER BY seq DESC LIMIT 1", &vals![&w.node, seq])?
+        .map_or(Ok(0), |r| r.count(0))?;
     if w.seq > top.saturating_add(MAX_SEQ_GAP) {
         return Err(refuse(
             "seq_gap",
             format!("numbered {} above the node's highest number {top} (at most {MAX_SEQ_GAP})", w.seq - top),
         ));
     }
-    let start_of = |sql: &str| -> rusqlite::Result<Option<u64>> {
-        Ok(tx.query_row(sql, params![w.node, seq], |r| r.get::<_, i64>(0)).optional()?.map(|s| s.max(0) as u64))
+    let mut start_of = |q: &str, params: &[super::db::Val]| -> Result<Option<u64>, DbError> {
+        sql.row(q, params)?.map(|r| r.count(0)).transpose()
     };
-    let before = start_of("SELECT start FROM applied WHERE node = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT 1")?;
-    let after = start_of("SELECT start FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq ASC LIMIT 1")?;
-    let sibling: Option<u64> = tx
-        .query_row(
-            "SELECT start FROM applied WHERE node = ?1 AND seq = ?2 AND part <> ?3 LIMIT 1",
-            params![w.node, seq, w.part],
-            |r| r.get::<_, i64>(0),
-        )
-        .optional()?
-        .map(|s| s.max(0) as u64);
+    let before = start_of(
+        "SELECT start FROM applied WHERE node = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT 1",
+        &vals![&w.node, seq],
+    )?;
+    let after = start_of(
+        "SELECT start FROM applied WHERE node = ?1 AND seq > ?2 ORDER BY seq ASC LIMIT 1",
+        &vals![&w.node, seq],
+    )?;
+    let sibling = start_of(
+        "SELECT start FROM applied WHERE node = ?1 AND seq = ?2 AND start <> ?3 LIMIT 1",
+        &vals![&w.node, seq, int(w.start)?],
+    )?;
     if let Some(b) = before.filter(|&b| b > w.start) {
         return Err(refuse("time_order", format!("starts at {} s, before its predecessor's {b} s", w.start)));
     }
@@ -174,128 +211,211 @@ fn could_have_counted(tx: &rusqlite::Transaction<'_>, w: &Window, now: u64) -> R
     Ok(())
 }
 
-/// [`UsageStore::apply`] on its connection: everything or nothing.
-fn apply_in(conn: &mut Connection, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
-    let tx = conn.transaction()?;
+/// Figures a total row adds: billable, 1xx..5xx, overshoot.
+type TotalSums = [u64; 7];
+/// Figures a minute row adds: 1xx..5xx, latency, the histogram.
+type MinuteSums = [u64; 6 + LATENCY_BUCKETS];
+
+/// `add` into `into`, checked: a sum past `i64::MAX` refuses the batch.
+fn add_into<const N: usize>(into: &mut [u64; N], add: impl IntoIterator<Item = u64>) -> Result<(), DbError> {
+    for (a, n) in into.iter_mut().zip(add) {
+        *a = a.checked_add(n).filter(|&s| s <= i64::MAX as u64).ok_or(DbError::Overflow)?;
+    }
+    Ok(())
+}
+
+/// [`UsageStore::apply`] in one transaction: everything or nothing.
+///
+/// On PostgreSQL batches run side by side: each takes the periods lock shared and its
+/// nodes' locks (in order), and writes its rows in key order (quota use, totals, minutes)
+/// so two batches never wait on each other in a circle.
+fn apply_in(sql: &mut dyn Sql, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
+    sql.lock(Lock::Periods { exclusive: false })?;
+    let nodes: BTreeSet<&str> = windows.iter().map(|w| w.node.as_str()).collect();
+    for node in &nodes {
+        sql.lock(Lock::Node(node))?;
+    }
     let mut ack = UsageAck::default();
-    {
-        let mut mark = tx.prepare_cached(
-            "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) ON CONFLICT DO NOTHING",
-        )?;
-        let mut reopen = tx.prepare_cached(
-            "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
-        )?;
-        let mut total = tx.prepare_cached(
-            "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
-                 ON CONFLICT DO UPDATE SET billable = billable + excluded.billable,
-                   s1 = s1 + excluded.s1, s2 = s2 + excluded.s2, s3 = s3 + excluded.s3,
-                   s4 = s4 + excluded.s4, s5 = s5 + excluded.s5, overshoot = overshoot + excluded.overshoot",
-        )?;
-        let cols = hist_cols("");
-        let marks = (12..12 + LATENCY_BUCKETS).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ");
-        let adds = (0..LATENCY_BUCKETS).map(|i| format!("h{i} = h{i} + excluded.h{i}")).collect::<Vec<_>>().join(", ");
-        let mut minute = tx.prepare_cached(&format!(
-            "INSERT INTO minutes (caller, kind, route, product, minute, s1, s2, s3, s4, s5, latency_us, {cols})
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, {marks})
-                 ON CONFLICT DO UPDATE SET s1 = s1 + excluded.s1, s2 = s2 + excluded.s2,
-                   s3 = s3 + excluded.s3, s4 = s4 + excluded.s4, s5 = s5 + excluded.s5,
-                   latency_us = latency_us + excluded.latency_us, {adds}"
-        ))?;
-        for delivery in windows {
-            // Each part once: a delivery adds what is new in it, and is a duplicate
-            // if nothing is.
-            let mut fresh_parts = Vec::new();
-            for w in delivery.split() {
-                let raw = serde_json::to_vec(&w).unwrap_or_default();
-                let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
-                let fresh = mark.execute(params![
-                    w.node,
-                    sql_int(w.seq),
+    let mut fresh: Vec<Window> = Vec::new();
+    for delivery in windows {
+        // Each part once: a delivery adds what is new in it, and is a duplicate if
+        // nothing is. Its parts (one per caller) are marked in a few multi-row inserts.
+        let parts = delivery.split();
+        let mut raws = Vec::with_capacity(parts.len());
+        for w in &parts {
+            raws.push(serde_json::to_vec(w).map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+        }
+        let mut new: BTreeSet<u32> = BTreeSet::new();
+        let indexed: Vec<(&Window, &Vec<u8>)> = parts.iter().zip(&raws).collect();
+        for chunk in indexed.chunks(UPSERT_ROWS) {
+            let mut params = Vec::with_capacity(chunk.len() * 9);
+            for (w, raw) in chunk {
+                let calls = w.rows.iter().try_fold(0u64, |a, r| a.checked_add(r.calls())).ok_or(DbError::Overflow)?;
+                params.extend(vals![
+                    &w.node,
+                    int(w.seq)?,
                     w.part,
                     w.parts,
-                    sql_int(w.start),
+                    int(w.start)?,
                     w.recovered,
-                    sql_int(calls),
-                    sql_int(now),
-                    raw
-                ])? == 1;
-                if fresh {
-                    // New: checked inside the transaction, so a refusal undoes its insert.
-                    could_have_counted(&tx, &w, now)?;
-                    fresh_parts.push(w);
-                    continue;
-                }
-                // The same (node, seq, part) with other contents is not a re-send: the
-                // node lost its spool and numbers again from 1. Nothing of the batch
-                // is applied; the operator gives the node a new id.
-                let known: Vec<u8> = tx.query_row(
-                    "SELECT raw FROM applied WHERE node = ?1 AND seq = ?2 AND part = ?3",
-                    params![w.node, sql_int(w.seq), w.part],
-                    |r| r.get(0),
-                )?;
-                if known != raw {
+                    int(calls)?,
+                    int(now)?,
+                    (*raw).clone()
+                ]);
+            }
+            let inserted = sql.rows(
+                &format!(
+                    "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
+                     VALUES {} ON CONFLICT DO NOTHING RETURNING part",
+                    placeholders(chunk.len(), 9)
+                ),
+                &params,
+            )?;
+            for r in inserted {
+                new.insert(u32::try_from(r.int(0)?).map_err(|_| DbError::Overflow)?);
+            }
+        }
+        if new.len() < parts.len() {
+            // The same (node, seq, part) with other contents is not a re-send: the node
+            // lost its spool and numbers again from 1. Nothing of the batch is applied;
+            // the operator gives the node a new id.
+            let known: BTreeMap<i64, Vec<u8>> = sql
+                .rows(
+                    "SELECT part, raw FROM applied WHERE node = ?1 AND seq = ?2",
+                    &vals![&delivery.node, int(delivery.seq)?],
+                )?
+                .iter()
+                .map(|r| Ok((r.int(0)?, r.blob(1)?)))
+                .collect::<Result<_, DbError>>()?;
+            for (w, raw) in &indexed {
+                if !new.contains(&w.part) && known.get(&i64::from(w.part)) != Some(*raw) {
                     return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
                 }
             }
-            if fresh_parts.is_empty() {
-                ack.duplicates += 1;
-                tx.execute(
-                    "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
-                         ON CONFLICT DO UPDATE SET windows = windows + 1",
-                    params![delivery.node],
-                )?;
-                continue;
-            }
-            ack.applied += 1;
-            for w in &fresh_parts {
-                let (period, _, _) = month_period(w.start);
-                // A window of a period already final reopens it: the export waits for the
-                // next reconcile.
-                reopen.execute(params![period])?;
-                let minute_start = sql_int(w.start - w.start % 60);
-                for r in &w.rows {
-                    let s = r.status.map(sql_int);
-                    let billable = r.billable();
-                    let overshoot = match quotas.of(r.kind, &r.caller) {
-                        Some(q) if billable > 0 => use_quota(&tx, r, q, w.start, billable, now)?,
-                        _ => 0,
-                    };
-                    total.execute(params![
-                        r.caller,
-                        r.kind.as_str(),
-                        r.product,
-                        period,
-                        sql_int(billable - overshoot),
-                        s[0],
-                        s[1],
-                        s[2],
-                        s[3],
-                        s[4],
-                        sql_int(overshoot)
-                    ])?;
-                    let mut values: Vec<Box<dyn rusqlite::ToSql>> = vec![
-                        Box::new(r.caller.clone()),
-                        Box::new(r.kind.as_str()),
-                        Box::new(r.route.clone()),
-                        Box::new(r.product.clone()),
-                        Box::new(minute_start),
-                    ];
-                    values.extend(s.iter().map(|&n| Box::new(n) as Box<dyn rusqlite::ToSql>));
-                    values.push(Box::new(sql_int(r.latency_us)));
-                    values.extend(r.latency.iter().map(|&n| Box::new(sql_int(n)) as Box<dyn rusqlite::ToSql>));
-                    minute.execute(rusqlite::params_from_iter(values.iter()))?;
-                }
-            }
+        }
+        if new.is_empty() {
+            ack.duplicates += 1;
+            sql.exec(
+                "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
+                 ON CONFLICT (node) DO UPDATE SET windows = duplicates.windows + 1",
+                &vals![&delivery.node],
+            )?;
+            continue;
+        }
+        // New: checked inside the transaction, so a refusal undoes its inserts. Its
+        // parts share the node, number and start.
+        could_have_counted(sql, delivery, now)?;
+        ack.applied += 1;
+        fresh.extend(parts.into_iter().filter(|w| new.contains(&w.part)));
+    }
+    // A window of a period already final reopens it: the export waits for the next
+    // reconcile.
+    let periods: BTreeSet<String> = fresh.iter().map(|w| month_period(w.start).0).collect();
+    for period in &periods {
+        sql.exec(
+            "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
+            &vals![period],
+        )?;
+    }
+    // Quota use first, by caller (each caller's rows in their order: its overshoot
+    // depends on it), then the sums in key order.
+    let mut rows: Vec<(&Window, &Row)> = fresh.iter().flat_map(|w| w.rows.iter().map(move |r| (w, r))).collect();
+    rows.sort_by(|a, b| {
+        (a.1.kind.as_str(), &a.1.caller, &a.1.product).cmp(&(b.1.kind.as_str(), &b.1.caller, &b.1.product))
+    });
+    let kept_from = match sql.engine() {
+        Engine::Postgres => super::pg::Pool::first_kept(now),
+        Engine::Sqlite => 0,
+    };
+    let mut totals: BTreeMap<(&str, &str, &str, String), TotalSums> = BTreeMap::new();
+    let mut minutes: BTreeMap<(&str, &str, &str, &str, u64), MinuteSums> = BTreeMap::new();
+    for (w, r) in rows {
+        let billable = r.billable();
+        let overshoot = match quotas.of(r.kind, &r.caller) {
+            Some(q) if billable > 0 => use_quota(sql, r, q, w.start, billable, now)?,
+            _ => 0,
+        };
+        let (period, _, _) = month_period(w.start);
+        let t = totals.entry((r.caller.as_str(), r.kind.as_str(), r.product.as_str(), period)).or_default();
+        add_into(t, [billable - overshoot].into_iter().chain(r.status).chain([overshoot]))?;
+        if w.start >= kept_from {
+            let key =
+                (r.caller.as_str(), r.kind.as_str(), r.route.as_str(), r.product.as_str(), w.start - w.start % 60);
+            let m = minutes.entry(key).or_insert([0; 6 + LATENCY_BUCKETS]);
+            add_into(m, r.status.into_iter().chain([r.latency_us]).chain(r.latency.iter().copied()))?;
         }
     }
-    let nodes: std::collections::BTreeSet<&str> = windows.iter().map(|w| w.node.as_str()).collect();
+    upsert_totals(sql, &totals)?;
+    upsert_minutes(sql, &minutes)?;
     for node in nodes {
-        ack.missing.extend(advance(&tx, node)?);
+        ack.missing.extend(advance(sql, node)?);
     }
-    tx.commit()?;
     Ok(ack)
+}
+
+/// `VALUES (?1, …, ?k), (?k+1, …)`: `rows` tuples of `k` placeholders.
+fn placeholders(rows: usize, k: usize) -> String {
+    (0..rows)
+        .map(|r| format!("({})", (1..=k).map(|c| format!("?{}", r * k + c)).collect::<Vec<_>>().join(", ")))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn upsert_totals(sql: &mut dyn Sql, totals: &BTreeMap<(&str, &str, &str, String), TotalSums>) -> Result<(), DbError> {
+    let sets = ["billable", "s1", "s2", "s3", "s4", "s5", "overshoot"].map(|c| add("totals", c)).join(", ");
+    let entries: Vec<_> = totals.iter().collect();
+    for chunk in entries.chunks(UPSERT_ROWS) {
+        let mut params = Vec::with_capacity(chunk.len() * 11);
+        for ((caller, kind, product, period), sums) in chunk {
+            params.extend(vals![*caller, *kind, *product, period]);
+            for n in sums.iter() {
+                params.push(int(*n)?);
+            }
+        }
+        sql.exec(
+            &format!(
+                "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot)
+                 VALUES {} ON CONFLICT (caller, kind, product, period) DO UPDATE SET {sets}",
+                placeholders(chunk.len(), 11)
+            ),
+            &params,
+        )?;
+    }
+    Ok(())
+}
+
+fn upsert_minutes(
+    sql: &mut dyn Sql,
+    minutes: &BTreeMap<(&str, &str, &str, &str, u64), MinuteSums>,
+) -> Result<(), DbError> {
+    let cols = hist_cols("");
+    let k = 5 + 6 + LATENCY_BUCKETS;
+    let sets = ["s1", "s2", "s3", "s4", "s5", "latency_us"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((0..LATENCY_BUCKETS).map(|i| format!("h{i}")))
+        .map(|c| add("minutes", &c))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let entries: Vec<_> = minutes.iter().collect();
+    for chunk in entries.chunks(UPSERT_ROWS) {
+        let mut params = Vec::with_capacity(chunk.len() * k);
+        for ((caller, kind, route, product, minute), sums) in chunk {
+            params.extend(vals![*caller, *kind, *route, *product, int(*minute)?]);
+            for n in sums.iter() {
+                params.push(int(*n)?);
+            }
+        }
+        sql.exec(
+            &format!(
+                "INSERT INTO minutes (caller, kind, route, product, minute, s1, s2, s3, s4, s5, latency_us, {cols})
+                 VALUES {} ON CONFLICT (caller, kind, route, product, minute) DO UPDATE SET {sets}",
+                placeholders(chunk.len(), k)
+            ),
+            &params,
+        )?;
+    }
+    Ok(())
 }
 
 /// Ranges asked for again in one answer at most.
@@ -303,29 +423,25 @@ const MISSING_RANGES: usize = 64;
 
 /// Moves `node`'s contiguous mark (every number up to it applied) past the numbers now
 /// applied, and returns the gaps above it, below the highest number applied.
-fn advance(tx: &rusqlite::Transaction<'_>, node: &str) -> rusqlite::Result<Vec<Missing>> {
-    let (mark, missing) = gaps(tx, node)?;
-    tx.execute(
-        "INSERT INTO contiguous (node, seq) VALUES (?1, ?2) ON CONFLICT DO UPDATE SET seq = excluded.seq",
-        params![node, sql_int(mark)],
+fn advance(sql: &mut dyn Sql, node: &str) -> Result<Vec<Missing>, DbError> {
+    let (mark, missing) = gaps(sql, node)?;
+    sql.exec(
+        "INSERT INTO contiguous (node, seq) VALUES (?1, ?2) ON CONFLICT (node) DO UPDATE SET seq = excluded.seq",
+        &vals![node, int(mark)?],
     )?;
     Ok(missing)
 }
 
 /// `node`'s contiguous mark as the applied numbers have it now, and the gaps above it: the
 /// numbers never seen and those with parts still to come.
-pub(crate) fn gaps(conn: &Connection, node: &str) -> rusqlite::Result<(u64, Vec<Missing>)> {
-    let mut mark: u64 = conn
-        .query_row("SELECT seq FROM contiguous WHERE node = ?1", params![node], |r| r.get::<_, i64>(0))
-        .optional()?
-        .map_or(0, |n| n.max(0) as u64);
-    let mut stmt = conn.prepare_cached(
-        "SELECT seq, COUNT(*) >= MAX(parts) FROM applied WHERE node = ?1 AND seq > ?2
+pub(crate) fn gaps(sql: &mut dyn Sql, node: &str) -> Result<(u64, Vec<Missing>), DbError> {
+    let mut mark =
+        sql.row("SELECT seq FROM contiguous WHERE node = ?1", &vals![node])?.map_or(Ok(0), |r| r.count(0))?;
+    let above = sql.rows(
+        "SELECT seq, CASE WHEN COUNT(*) >= MAX(parts) THEN 1 ELSE 0 END FROM applied WHERE node = ?1 AND seq > ?2
          GROUP BY seq ORDER BY seq LIMIT 100000",
+        &vals![node, int(mark)?],
     )?;
-    let above: Vec<(u64, bool)> = stmt
-        .query_map(params![node, sql_int(mark)], |r| Ok((r.get::<_, i64>(0)?.max(0) as u64, r.get::<_, bool>(1)?)))?
-        .collect::<rusqlite::Result<_>>()?;
     let mut missing: Vec<Missing> = Vec::new();
     let mut lack = |from: u64, to: u64| {
         let full = missing.len() >= MISSING_RANGES;
@@ -338,7 +454,8 @@ pub(crate) fn gaps(conn: &Connection, node: &str) -> rusqlite::Result<(u64, Vec<
     // The lowest number not looked at yet, and whether all below it are in.
     let mut next = mark + 1;
     let mut whole = true;
-    for (seq, complete) in above {
+    for r in above {
+        let (seq, complete) = (r.count(0)?, r.int(1)? != 0);
         if seq > next {
             whole = false;
             lack(next, seq - 1);

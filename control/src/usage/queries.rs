@@ -3,12 +3,12 @@
 
 use postern_model::protocol::Missing;
 use postern_model::usage::{LATENCY_BUCKETS, quantile_ms};
-use rusqlite::params;
 use serde::Serialize;
 
+use super::db::{DbError, Val, i64_of, vals};
 use super::intake::gaps;
 use super::params::rfc3339;
-use super::store::{UsageStore, round2, sql_int};
+use super::store::{UsageStore, round2};
 
 /// How [`UsageStore::query`] groups rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +52,10 @@ pub struct Query {
 
 /// Rows a query answers at most.
 pub const MAX_ROWS: usize = 10_000;
+
+/// The longest range a team's query may span: what it reads is bounded (a team has no
+/// caller to narrow by, so its query reads every caller's rows of the range).
+pub const MAX_TEAM_RANGE_S: u64 = 31 * 86_400;
 
 /// One row of a usage answer.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -149,120 +153,157 @@ pub struct NodeWindows {
 }
 
 impl UsageStore {
-    /// Usage rows for `q`, at most [`MAX_ROWS`].
-    pub fn query(&self, q: &Query) -> rusqlite::Result<Vec<UsageRow>> {
+    /// Usage rows for `q`, at most [`MAX_ROWS`]. A team's range is at most
+    /// [`MAX_TEAM_RANGE_S`] (refused as [`DbError::Other`] otherwise; the API checks it
+    /// first).
+    pub fn query(&self, q: &Query) -> Result<Vec<UsageRow>, DbError> {
+        if q.team.is_some() && q.to.saturating_sub(q.from) > MAX_TEAM_RANGE_S {
+            return Err(DbError::Other(format!("a team's range is at most {} days", MAX_TEAM_RANGE_S / 86_400)));
+        }
         let bucket = match q.by {
             By::Route => "NULL",
             By::Minute => "minute",
             By::Day => "(minute / 86400) * 86400",
         };
-        let sums = (0..LATENCY_BUCKETS).map(|i| format!("SUM(h{i})")).collect::<Vec<_>>().join(", ");
-        let sql = format!(
+        let sums = (0..LATENCY_BUCKETS).map(|i| format!("CAST(SUM(h{i}) AS BIGINT)")).collect::<Vec<_>>().join(", ");
+        // Only the filters given, so each engine plans with the index that fits (a
+        // caller's primary key, or the time index).
+        let mut params: Vec<Val> = vals![i64_of(q.from)?, i64_of(q.to)?].into();
+        let mut filter = String::new();
+        if let Some(caller) = &q.caller {
+            params.push(caller.into());
+            filter.push_str(&format!(" AND caller = ?{}", params.len()));
+        }
+        if let Some(product) = &q.product {
+            params.push(product.into());
+            filter.push_str(&format!(" AND product = ?{}", params.len()));
+        }
+        if let Some(team) = &q.team {
+            let prefix = format!("{team}/");
+            let chars = i64::try_from(prefix.chars().count()).unwrap_or(i64::MAX);
+            params.push(prefix.into());
+            params.push(chars.into());
+            filter.push_str(&format!(" AND substr(route, 1, ?{}) = ?{}", params.len(), params.len() - 1));
+        }
+        let sql_text = format!(
             "SELECT caller, kind, route, product, {bucket} AS at,
-                    SUM(s1), SUM(s2), SUM(s3), SUM(s4), SUM(s5), SUM(latency_us), {sums}
+                    CAST(SUM(s1) AS BIGINT), CAST(SUM(s2) AS BIGINT), CAST(SUM(s3) AS BIGINT),
+                    CAST(SUM(s4) AS BIGINT), CAST(SUM(s5) AS BIGINT), CAST(SUM(latency_us) AS BIGINT), {sums}
              FROM minutes
-             WHERE minute >= ?1 AND minute < ?2
-               AND (?3 IS NULL OR caller = ?3)
-               AND (?4 IS NULL OR product = ?4)
-               AND (?5 IS NULL OR substr(route, 1, length(?5)) = ?5)
+             WHERE minute >= ?1 AND minute < ?2{filter}
              GROUP BY caller, kind, route, product, at
              ORDER BY caller, kind, route, product, at
              LIMIT {MAX_ROWS}"
         );
-        let team = q.team.as_ref().map(|t| format!("{t}/"));
-        let conn = self.lock();
-        let mut stmt = conn.prepare_cached(&sql)?;
-        let rows = stmt.query_map(params![sql_int(q.from), sql_int(q.to), q.caller, q.product, team], |r| {
-            let mut s = [0u64; 5];
-            for (i, v) in s.iter_mut().enumerate() {
-                *v = r.get::<_, i64>(5 + i)?.max(0) as u64;
-            }
-            let latency_us = r.get::<_, i64>(10)?.max(0) as u64;
-            let mut hist = [0u64; LATENCY_BUCKETS];
-            for (i, v) in hist.iter_mut().enumerate() {
-                *v = r.get::<_, i64>(11 + i)?.max(0) as u64;
-            }
-            let calls: u64 = s.iter().sum();
-            let at: Option<i64> = r.get(4)?;
-            Ok(UsageRow {
-                caller: r.get(0)?,
-                kind: r.get(1)?,
-                route: r.get(2)?,
-                product: r.get(3)?,
-                at: at.map(|t| rfc3339(t.max(0) as u64)),
-                calls,
-                billable: s[1] + s[2],
-                status: StatusClasses::from(s),
-                latency_ms: LatencySummary {
-                    mean: if calls == 0 { 0.0 } else { round2(latency_us as f64 / calls as f64 / 1000.0) },
-                    p50: round2(quantile_ms(&hist, 0.5).unwrap_or(0.0)),
-                    p99: round2(quantile_ms(&hist, 0.99).unwrap_or(0.0)),
-                },
-            })
-        })?;
-        rows.collect()
+        self.read(|sql| {
+            sql.rows(&sql_text, &params)?
+                .iter()
+                .map(|r| {
+                    let mut s = [0u64; 5];
+                    for (i, v) in s.iter_mut().enumerate() {
+                        *v = r.count(5 + i)?;
+                    }
+                    let latency_us = r.count(10)?;
+                    let mut hist = [0u64; LATENCY_BUCKETS];
+                    for (i, v) in hist.iter_mut().enumerate() {
+                        *v = r.count(11 + i)?;
+                    }
+                    let calls = s.iter().try_fold(0u64, |a, &n| a.checked_add(n)).ok_or(DbError::Overflow)?;
+                    Ok(UsageRow {
+                        caller: r.text(0)?,
+                        kind: r.text(1)?,
+                        route: r.text(2)?,
+                        product: r.text(3)?,
+                        at: r.opt_int(4)?.map(|t| rfc3339(t.max(0) as u64)),
+                        calls,
+                        billable: s[1].checked_add(s[2]).ok_or(DbError::Overflow)?,
+                        status: StatusClasses::from(s),
+                        latency_ms: LatencySummary {
+                            mean: if calls == 0 { 0.0 } else { round2(latency_us as f64 / calls as f64 / 1000.0) },
+                            p50: round2(quantile_ms(&hist, 0.5).unwrap_or(0.0)),
+                            p99: round2(quantile_ms(&hist, 0.99).unwrap_or(0.0)),
+                        },
+                    })
+                })
+                .collect()
+        })
     }
 
     /// Totals of one billing period, for one caller or all.
-    pub fn totals(&self, period: &str, caller: Option<&str>) -> rusqlite::Result<Vec<Total>> {
-        let conn = self.lock();
-        let mut stmt = conn.prepare_cached(
-            "SELECT caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot FROM totals
-             WHERE period = ?1 AND (?2 IS NULL OR caller = ?2) ORDER BY caller, kind, product",
-        )?;
-        let rows = stmt.query_map(params![period, caller], |r| {
-            let mut s = [0u64; 5];
-            for (i, v) in s.iter_mut().enumerate() {
-                *v = r.get::<_, i64>(5 + i)?.max(0) as u64;
-            }
-            Ok(Total {
-                caller: r.get(0)?,
-                kind: r.get(1)?,
-                product: r.get(2)?,
-                period: r.get(3)?,
-                billable: r.get::<_, i64>(4)?.max(0) as u64,
-                overshoot: r.get::<_, i64>(10)?.max(0) as u64,
-                calls: s.iter().sum(),
-                status: StatusClasses::from(s),
-            })
-        })?;
-        rows.collect()
+    pub fn totals(&self, period: &str, caller: Option<&str>) -> Result<Vec<Total>, DbError> {
+        self.read(|sql| totals_in(sql, period, caller))
     }
 
     /// Per node: windows applied, the last sequence number and how many below it are
     /// missing (what the reconciler chases).
-    pub fn nodes(&self) -> rusqlite::Result<Vec<NodeWindows>> {
-        let conn = self.lock();
-        let mut stmt = conn.prepare_cached(
-            "SELECT a.node, COUNT(DISTINCT a.seq), MAX(a.seq), COUNT(DISTINCT CASE WHEN a.recovered THEN a.seq END),
-                    COALESCE(MAX(d.windows), 0)
-             FROM applied a LEFT JOIN duplicates d ON d.node = a.node GROUP BY a.node ORDER BY a.node",
-        )?;
-        let rows = stmt
-            .query_map([], |r| {
-                Ok(NodeWindows {
-                    node: r.get(0)?,
-                    windows: r.get::<_, i64>(1)?.max(0) as u64,
-                    last_seq: r.get::<_, i64>(2)?.max(0) as u64,
-                    missing: 0,
-                    recovered: r.get::<_, i64>(3)?.max(0) as u64,
-                    duplicates: r.get::<_, i64>(4)?.max(0) as u64,
+    pub fn nodes(&self) -> Result<Vec<NodeWindows>, DbError> {
+        self.read(|sql| {
+            let rows = sql
+                .rows(
+                    "SELECT a.node, COUNT(DISTINCT a.seq), MAX(a.seq),
+                            COUNT(DISTINCT CASE WHEN a.recovered <> 0 THEN a.seq END), COALESCE(MAX(d.windows), 0)
+                     FROM applied a LEFT JOIN duplicates d ON d.node = a.node GROUP BY a.node ORDER BY a.node",
+                    &[],
+                )?
+                .iter()
+                .map(|r| {
+                    Ok(NodeWindows {
+                        node: r.text(0)?,
+                        windows: r.count(1)?,
+                        last_seq: r.count(2)?,
+                        missing: 0,
+                        recovered: r.count(3)?,
+                        duplicates: r.count(4)?,
+                    })
                 })
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        drop(stmt);
-        rows.into_iter()
-            .map(|mut n| {
-                let (_, missing) = gaps(&conn, &n.node)?;
-                n.missing = missing.iter().map(|m| m.to - m.from + 1).sum();
-                Ok(n)
-            })
-            .collect()
+                .collect::<Result<Vec<_>, DbError>>()?;
+            rows.into_iter()
+                .map(|mut n| {
+                    let (_, missing) = gaps(sql, &n.node)?;
+                    n.missing = missing.iter().map(|m| m.to - m.from + 1).sum();
+                    Ok(n)
+                })
+                .collect()
+        })
     }
 
     /// `node`'s runs of missing window numbers (a window is missing until every part of
     /// it is in), below the highest it has applied.
-    pub fn missing(&self, node: &str) -> rusqlite::Result<Vec<Missing>> {
-        Ok(gaps(&self.lock(), node)?.1)
+    pub fn missing(&self, node: &str) -> Result<Vec<Missing>, DbError> {
+        self.read(|sql| Ok(gaps(sql, node)?.1))
     }
+}
+
+/// Totals of one billing period, for one caller or all, in a transaction.
+pub(crate) fn totals_in(
+    sql: &mut dyn super::db::Sql,
+    period: &str,
+    caller: Option<&str>,
+) -> Result<Vec<Total>, DbError> {
+    let cols = "SELECT caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot FROM totals";
+    let rows = match caller {
+        Some(c) => sql.rows(
+            &format!("{cols} WHERE period = ?1 AND caller = ?2 ORDER BY caller, kind, product"),
+            &vals![period, c],
+        )?,
+        None => sql.rows(&format!("{cols} WHERE period = ?1 ORDER BY caller, kind, product"), &vals![period])?,
+    };
+    rows.iter()
+        .map(|r| {
+            let mut s = [0u64; 5];
+            for (i, v) in s.iter_mut().enumerate() {
+                *v = r.count(5 + i)?;
+            }
+            Ok(Total {
+                caller: r.text(0)?,
+                kind: r.text(1)?,
+                product: r.text(2)?,
+                period: r.text(3)?,
+                billable: r.count(4)?,
+                overshoot: r.count(10)?,
+                calls: s.iter().try_fold(0u64, |a, &n| a.checked_add(n)).ok_or(DbError::Overflow)?,
+                status: StatusClasses::from(s),
+            })
+        })
+        .collect()
 }

@@ -5,41 +5,43 @@ use std::collections::BTreeMap;
 
 use postern_model::protocol::Missing;
 use postern_model::usage::{NodeCounters, Window};
-use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 
+use super::db::{DbError, Lock, Sql, add, i64_of, int, vals};
 use super::intake::gaps;
 use super::params::rfc3339;
-use super::queries::Total;
-use super::store::{UsageStore, sql_int};
+use super::queries::{Total, totals_in};
+use super::store::UsageStore;
 
 impl UsageStore {
     /// Stores a node's own counters of a period complete on it (checked): the report with
     /// the highest `through` is kept, and a changed one reopens a final period until the
     /// next reconcile. `now` is Unix seconds.
-    pub fn put_counters(&self, c: &NodeCounters, now: u64) -> rusqlite::Result<()> {
-        let raw = serde_json::to_vec(c).unwrap_or_default();
-        let mut conn = self.lock();
-        let tx = conn.transaction()?;
-        let changed = tx.execute(
-            "INSERT INTO node_counters (node, period, through, calls, received, raw) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT DO UPDATE SET through = excluded.through, calls = excluded.calls,
-               received = excluded.received, raw = excluded.raw
-             WHERE excluded.through >= node_counters.through AND excluded.raw != node_counters.raw",
-            params![c.node, c.period, sql_int(c.through), sql_int(c.calls()), sql_int(now), raw],
-        )? == 1;
-        if changed {
-            tx.execute(
-                "UPDATE periods SET final_at = NULL WHERE period = ?1 AND final_at IS NOT NULL",
-                params![c.period],
-            )?;
-        }
-        tx.commit()
+    pub fn put_counters(&self, c: &NodeCounters, now: u64) -> Result<(), DbError> {
+        let raw = serde_json::to_vec(c).map_err(|e| DbError::Other(e.to_string()))?;
+        let calls = c.calls();
+        self.tx(|sql| {
+            sql.lock(Lock::Periods { exclusive: true })?;
+            let changed = sql.exec(
+                "INSERT INTO node_counters (node, period, through, calls, received, raw) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT (node, period) DO UPDATE SET through = excluded.through, calls = excluded.calls,
+                   received = excluded.received, raw = excluded.raw
+                 WHERE excluded.through >= node_counters.through AND excluded.raw <> node_counters.raw",
+                &vals![&c.node, &c.period, int(c.through)?, int(calls)?, int(now)?, raw.clone()],
+            )? == 1;
+            if changed {
+                sql.exec(
+                    "UPDATE periods SET final_at = NULL WHERE period = ?1 AND final_at IS NOT NULL",
+                    &vals![&c.period],
+                )?;
+            }
+            Ok(())
+        })
     }
 
     /// A node's own counters of `period`, as last reported.
-    pub fn counters(&self, node: &str, period: &str) -> rusqlite::Result<Option<NodeCounters>> {
-        counters_of(&self.lock(), node, period)
+    pub fn counters(&self, node: &str, period: &str) -> Result<Option<NodeCounters>, DbError> {
+        self.read(|sql| counters_of(sql, node, period))
     }
 
     /// Reconciles billing period `period` (`YYYY-MM`) at Unix second `now`: the period
@@ -50,132 +52,127 @@ impl UsageStore {
     /// store's: what the store lacks becomes a correction added to the totals (and taken
     /// back as windows arrive), so the export bills what the node answered. `None` for a
     /// period name that is not one.
-    pub fn reconcile(&self, period: &str, now: u64) -> rusqlite::Result<Option<Reconciled>> {
+    pub fn reconcile(&self, period: &str, now: u64) -> Result<Option<Reconciled>, DbError> {
         let Some((start, end)) = postern_model::usage::parse_month(period) else { return Ok(None) };
-        let mut conn = self.lock();
-        let tx = conn.transaction()?;
-        let mut blocking = Vec::new();
-        if now < end + CLOSE_GRACE_S {
-            blocking.push(format!(
-                "the period ends at {}; its last windows may arrive until {}",
-                rfc3339(end),
-                rfc3339(end + CLOSE_GRACE_S)
-            ));
-        }
-        let mut counted: BTreeMap<String, (u64, u64)> = {
-            let mut stmt = tx.prepare_cached(
-                "SELECT node, COUNT(DISTINCT seq), SUM(calls) FROM applied WHERE start >= ?1 AND start < ?2
-                 GROUP BY node ORDER BY node",
-            )?;
-            stmt.query_map(params![sql_int(start), sql_int(end)], |r| {
-                Ok((r.get(0)?, (r.get::<_, i64>(1)?.max(0) as u64, r.get::<_, i64>(2)?.max(0) as u64)))
-            })?
-            .collect::<rusqlite::Result<_>>()?
-        };
-        // A node whose every window of the period is lost still reported its counts.
-        {
-            let mut stmt = tx.prepare_cached("SELECT node FROM node_counters WHERE period = ?1")?;
-            for node in stmt.query_map(params![period], |r| r.get::<_, String>(0))? {
-                counted.entry(node?).or_default();
-            }
-        }
-        let mut nodes = Vec::with_capacity(counted.len());
-        for (node, (windows, calls)) in counted {
-            let last_start: Option<i64> =
-                tx.query_row("SELECT MAX(start) FROM applied WHERE node = ?1", params![node], |r| r.get(0))?;
-            let mut pn = PeriodNode {
-                node: node.clone(),
-                windows,
-                calls,
-                missing: Vec::new(),
-                last_window: last_start.map(|t| rfc3339(t.max(0) as u64)),
-                own_calls: None,
-                corrected: 0,
-                counted_less: 0,
-            };
-            let Some(own) = counters_of(&tx, &node, period)? else {
-                blocking.push(format!(
-                    "node {node} has not reported its own counts of {period} (it does once every window before the period's end is spooled)"
-                ));
-                nodes.push(pn);
-                continue;
-            };
-            pn.own_calls = Some(own.calls());
-            pn.missing = lacking(&tx, &own)?;
-            if !pn.missing.is_empty() {
-                let runs: Vec<String> = pn.missing.iter().map(|m| format!("{}..{}", m.from, m.to)).collect();
-                blocking.push(format!("node {node} lacks windows {} (it is asked for them)", runs.join(", ")));
-                nodes.push(pn);
-                continue;
-            }
-            let beyond: i64 = tx.query_row(
-                "SELECT COUNT(*) FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3 AND seq > ?4",
-                params![node, sql_int(start), sql_int(end), sql_int(own.through)],
-                |r| r.get(0),
-            )?;
-            if beyond > 0 {
-                blocking.push(format!(
-                    "node {node} has windows of {period} numbered past {}, the last its counts cover: it numbered again from 1 (give it a new id)",
-                    own.through
-                ));
-                nodes.push(pn);
-                continue;
-            }
-            (pn.corrected, pn.counted_less) = compare(&tx, &own, (start, end), windows > 0 && calls == own.calls())?;
-            nodes.push(pn);
-        }
-        let (callers, billable): (i64, i64) = tx.query_row(
-            "SELECT COUNT(*), COALESCE(SUM(billable), 0) FROM totals WHERE period = ?1",
-            params![period],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )?;
-        let late: i64 = tx
-            .query_row("SELECT late FROM periods WHERE period = ?1", params![period], |r| r.get(0))
-            .optional()?
-            .unwrap_or(0);
-        let final_at = blocking.is_empty().then_some(now);
-        tx.execute(
-            "INSERT INTO periods (period, final_at, late) VALUES (?1, ?2, 0)
-             ON CONFLICT DO UPDATE SET final_at = excluded.final_at",
-            params![period, final_at.map(sql_int)],
-        )?;
-        tx.commit()?;
-        Ok(Some(Reconciled {
-            period: period.to_owned(),
-            is_final: final_at.is_some(),
-            final_at: final_at.map(rfc3339),
-            blocking,
-            nodes,
-            callers: callers.max(0) as u64,
-            billable: billable.max(0) as u64,
-            late_windows: late.max(0) as u64,
-        }))
+        self.tx(|sql| reconcile_in(sql, period, (start, end), now).map(Some))
     }
 
     /// Whether period `period` is final now (reconciled, and no window came since).
-    pub fn is_final(&self, period: &str) -> rusqlite::Result<bool> {
-        let final_at: Option<Option<i64>> = self
-            .lock()
-            .query_row("SELECT final_at FROM periods WHERE period = ?1", params![period], |r| r.get(0))
-            .optional()?;
-        Ok(matches!(final_at, Some(Some(_))))
+    pub fn is_final(&self, period: &str) -> Result<bool, DbError> {
+        self.read(|sql| Ok(matches!(final_at(sql, period)?, Some(Some(_)))))
     }
 
     /// The billing export of a final period: one total per caller and product. `Err`
     /// with the reason while the period is not final.
-    pub fn export(&self, period: &str) -> rusqlite::Result<Result<Vec<Total>, String>> {
-        let final_at: Option<Option<i64>> = self
-            .lock()
-            .query_row("SELECT final_at FROM periods WHERE period = ?1", params![period], |r| r.get(0))
-            .optional()?;
-        match final_at {
-            Some(Some(_)) => self.totals(period, None).map(Ok),
+    pub fn export(&self, period: &str) -> Result<Result<Vec<Total>, String>, DbError> {
+        self.read(|sql| match final_at(sql, period)? {
+            Some(Some(_)) => totals_in(sql, period, None).map(Ok),
             Some(None) => Ok(Err(format!(
                 "period {period} is not final: windows arrived after its last reconcile, or it did not pass; reconcile it"
             ))),
             None => Ok(Err(format!("period {period} was never reconciled"))),
-        }
+        })
     }
+}
+
+/// When `period` was made final: `None` if never reconciled, `Some(None)` if reopened.
+fn final_at(sql: &mut dyn Sql, period: &str) -> Result<Option<Option<i64>>, DbError> {
+    sql.row("SELECT final_at FROM periods WHERE period = ?1", &vals![period])?.map(|r| r.opt_int(0)).transpose()
+}
+
+/// [`UsageStore::reconcile`] in one transaction, which no batch of windows overlaps.
+fn reconcile_in(sql: &mut dyn Sql, period: &str, (start, end): (u64, u64), now: u64) -> Result<Reconciled, DbError> {
+    sql.lock(Lock::Periods { exclusive: true })?;
+    let mut blocking = Vec::new();
+    if now < end + CLOSE_GRACE_S {
+        blocking.push(format!(
+            "the period ends at {}; its last windows may arrive until {}",
+            rfc3339(end),
+            rfc3339(end + CLOSE_GRACE_S)
+        ));
+    }
+    let mut counted: BTreeMap<String, (u64, u64)> = sql
+        .rows(
+            "SELECT node, COUNT(DISTINCT seq), CAST(SUM(calls) AS BIGINT) FROM applied WHERE start >= ?1 AND start < ?2
+             GROUP BY node ORDER BY node",
+            &vals![int(start)?, int(end)?],
+        )?
+        .iter()
+        .map(|r| Ok((r.text(0)?, (r.count(1)?, r.count(2)?))))
+        .collect::<Result<_, DbError>>()?;
+    // A node whose every window of the period is lost still reported its counts.
+    for r in sql.rows("SELECT node FROM node_counters WHERE period = ?1", &vals![period])? {
+        counted.entry(r.text(0)?).or_default();
+    }
+    let mut nodes = Vec::with_capacity(counted.len());
+    for (node, (windows, calls)) in counted {
+        let last_start = sql.row("SELECT MAX(start) FROM applied WHERE node = ?1", &vals![&node])?;
+        let last_start = last_start.map(|r| r.opt_int(0)).transpose()?.flatten();
+        let mut pn = PeriodNode {
+            node: node.clone(),
+            windows,
+            calls,
+            missing: Vec::new(),
+            last_window: last_start.map(|t| rfc3339(t.max(0) as u64)),
+            own_calls: None,
+            corrected: 0,
+            counted_less: 0,
+        };
+        let Some(own) = counters_of(sql, &node, period)? else {
+            blocking.push(format!(
+                "node {node} has not reported its own counts of {period} (it does once every window before the period's end is spooled)"
+            ));
+            nodes.push(pn);
+            continue;
+        };
+        pn.own_calls = Some(own.calls());
+        pn.missing = lacking(sql, &own)?;
+        if !pn.missing.is_empty() {
+            let runs: Vec<String> = pn.missing.iter().map(|m| format!("{}..{}", m.from, m.to)).collect();
+            blocking.push(format!("node {node} lacks windows {} (it is asked for them)", runs.join(", ")));
+            nodes.push(pn);
+            continue;
+        }
+        let beyond = sql
+            .row(
+                "SELECT COUNT(*) FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3 AND seq > ?4",
+                &vals![&node, int(start)?, int(end)?, int(own.through)?],
+            )?
+            .map_or(Ok(0), |r| r.count(0))?;
+        if beyond > 0 {
+            blocking.push(format!(
+                "node {node} has windows of {period} numbered past {}, the last its counts cover: it numbered again from 1 (give it a new id)",
+                own.through
+            ));
+            nodes.push(pn);
+            continue;
+        }
+        (pn.corrected, pn.counted_less) = compare(sql, &own, (start, end), windows > 0 && calls == own.calls())?;
+        nodes.push(pn);
+    }
+    let (callers, billable) = sql
+        .row(
+            "SELECT COUNT(*), CAST(COALESCE(SUM(billable), 0) AS BIGINT) FROM totals WHERE period = ?1",
+            &vals![period],
+        )?
+        .map_or(Ok((0, 0)), |r| Ok::<_, DbError>((r.count(0)?, r.count(1)?)))?;
+    let late = sql.row("SELECT late FROM periods WHERE period = ?1", &vals![period])?.map_or(Ok(0), |r| r.count(0))?;
+    let final_at = blocking.is_empty().then_some(now);
+    sql.exec(
+        "INSERT INTO periods (period, final_at, late) VALUES (?1, ?2, 0)
+         ON CONFLICT (period) DO UPDATE SET final_at = excluded.final_at",
+        &vals![period, final_at.map(i64_of).transpose()?],
+    )?;
+    Ok(Reconciled {
+        period: period.to_owned(),
+        is_final: final_at.is_some(),
+        final_at: final_at.map(rfc3339),
+        blocking,
+        nodes,
+        callers,
+        billable,
+        late_windows: late,
+    })
 }
 
 /// How long after a period's end its last windows may still be on their way (nodes close
@@ -230,20 +227,18 @@ pub struct PeriodNode {
 }
 
 /// A node's reported counters of `period`.
-fn counters_of(conn: &Connection, node: &str, period: &str) -> rusqlite::Result<Option<NodeCounters>> {
-    let raw: Option<Vec<u8>> = conn
-        .query_row("SELECT raw FROM node_counters WHERE node = ?1 AND period = ?2", params![node, period], |r| r.get(0))
-        .optional()?;
+fn counters_of(sql: &mut dyn Sql, node: &str, period: &str) -> Result<Option<NodeCounters>, DbError> {
+    let raw = sql.row("SELECT raw FROM node_counters WHERE node = ?1 AND period = ?2", &vals![node, period])?;
+    let raw = raw.map(|r| r.blob(0)).transpose()?;
     Ok(raw.and_then(|raw| serde_json::from_slice(&raw).ok()))
 }
 
 /// The node's numbers up to the last its counts cover that the store lacks, but those it
 /// no longer had when asked for them.
-fn lacking(conn: &Connection, own: &NodeCounters) -> rusqlite::Result<Vec<Missing>> {
-    let (_, mut missing) = gaps(conn, &own.node)?;
-    let top: Option<i64> =
-        conn.query_row("SELECT MAX(seq) FROM applied WHERE node = ?1", params![own.node], |r| r.get(0))?;
-    let top = top.map_or(0, |t| t.max(0) as u64);
+fn lacking(sql: &mut dyn Sql, own: &NodeCounters) -> Result<Vec<Missing>, DbError> {
+    let (_, mut missing) = gaps(sql, &own.node)?;
+    let top = sql.row("SELECT MAX(seq) FROM applied WHERE node = ?1", &vals![&own.node])?;
+    let top = top.map(|r| r.opt_int(0)).transpose()?.flatten().map_or(0, |t| t.max(0) as u64);
     if top < own.through {
         missing.push(Missing { node: own.node.clone(), from: top + 1, to: own.through });
     }
@@ -283,32 +278,28 @@ fn lacking(conn: &Connection, own: &NodeCounters) -> rusqlite::Result<Vec<Missin
 /// (the node totals match) and no corrections standing, nothing is read: the store
 /// applies each window once, so it can only lack calls, never hold others.
 fn compare(
-    tx: &rusqlite::Transaction<'_>,
+    sql: &mut dyn Sql,
     own: &NodeCounters,
     (start, end): (u64, u64),
     agree: bool,
-) -> rusqlite::Result<(u64, u64)> {
-    let standing: i64 = tx.query_row(
-        "SELECT COUNT(*) FROM corrections WHERE node = ?1 AND period = ?2",
-        params![own.node, own.period],
-        |r| r.get(0),
-    )?;
+) -> Result<(u64, u64), DbError> {
+    let standing = sql
+        .row("SELECT COUNT(*) FROM corrections WHERE node = ?1 AND period = ?2", &vals![&own.node, &own.period])?
+        .map_or(Ok(0), |r| r.count(0))?;
     if agree && standing == 0 {
         return Ok((0, 0));
     }
     type Key = (String, String, String);
     let mut stored: BTreeMap<Key, [u64; 5]> = BTreeMap::new();
-    {
-        let mut stmt = tx.prepare_cached("SELECT raw FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3")?;
-        let mut rows = stmt.query(params![own.node, sql_int(start), sql_int(end)])?;
-        while let Some(r) = rows.next()? {
-            let raw: Vec<u8> = r.get(0)?;
-            let Ok(w) = serde_json::from_slice::<Window>(&raw) else { continue };
-            for row in w.rows {
-                let s = stored.entry((row.caller, row.kind.as_str().to_owned(), row.product)).or_default();
-                for (a, n) in s.iter_mut().zip(row.status) {
-                    *a = a.saturating_add(n);
-                }
+    for r in sql.rows(
+        "SELECT raw FROM applied WHERE node = ?1 AND start >= ?2 AND start < ?3",
+        &vals![&own.node, int(start)?, int(end)?],
+    )? {
+        let Ok(w) = serde_json::from_slice::<Window>(&r.blob(0)?) else { continue };
+        for row in w.rows {
+            let s = stored.entry((row.caller, row.kind.as_str().to_owned(), row.product)).or_default();
+            for (a, n) in s.iter_mut().zip(row.status) {
+                *a = a.checked_add(n).ok_or(DbError::Overflow)?;
             }
         }
     }
@@ -320,57 +311,64 @@ fn compare(
         let mut lack = [0u64; 5];
         for i in 0..5 {
             lack[i] = r.status[i].saturating_sub(have[i]);
-            counted_less += have[i].saturating_sub(r.status[i]);
+            counted_less = counted_less.saturating_add(have[i].saturating_sub(r.status[i]));
         }
         if lack.iter().any(|&n| n > 0) {
             wanted.insert(key, lack);
         }
     }
-    counted_less += stored.values().flatten().sum::<u64>();
+    counted_less = stored.values().flatten().fold(counted_less, |a, &n| a.saturating_add(n));
     // The totals move by the new corrections less the standing ones.
-    let mut delta: BTreeMap<Key, [i64; 5]> = wanted.iter().map(|(k, v)| (k.clone(), v.map(sql_int))).collect();
-    {
-        let mut stmt = tx.prepare_cached(
-            "SELECT caller, kind, product, s1, s2, s3, s4, s5 FROM corrections WHERE node = ?1 AND period = ?2",
-        )?;
-        let old = stmt.query_map(params![own.node, own.period], |r| {
-            let mut s = [0i64; 5];
-            for (i, v) in s.iter_mut().enumerate() {
-                *v = r.get(3 + i)?;
-            }
-            Ok(((r.get(0)?, r.get(1)?, r.get(2)?), s))
-        })?;
-        for o in old {
-            let (k, s) = o?;
-            let d = delta.entry(k).or_default();
-            for i in 0..5 {
-                d[i] -= s[i];
-            }
+    let mut delta: BTreeMap<Key, [i64; 5]> = BTreeMap::new();
+    for (k, v) in &wanted {
+        let mut d = [0i64; 5];
+        for i in 0..5 {
+            d[i] = i64_of(v[i])?;
+        }
+        delta.insert(k.clone(), d);
+    }
+    for r in sql.rows(
+        "SELECT caller, kind, product, s1, s2, s3, s4, s5 FROM corrections WHERE node = ?1 AND period = ?2",
+        &vals![&own.node, &own.period],
+    )? {
+        let d = delta.entry((r.text(0)?, r.text(1)?, r.text(2)?)).or_default();
+        for (i, d) in d.iter_mut().enumerate() {
+            *d = d.checked_sub(r.int(3 + i)?).ok_or(DbError::Overflow)?;
         }
     }
-    let mut total = tx.prepare_cached(
+    let sets = ["billable", "s1", "s2", "s3", "s4", "s5"].map(|c| add("totals", c)).join(", ");
+    let upsert = format!(
         "INSERT INTO totals (caller, kind, product, period, billable, s1, s2, s3, s4, s5, overshoot)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 0)
-         ON CONFLICT DO UPDATE SET billable = billable + excluded.billable,
-           s1 = s1 + excluded.s1, s2 = s2 + excluded.s2, s3 = s3 + excluded.s3,
-           s4 = s4 + excluded.s4, s5 = s5 + excluded.s5",
-    )?;
+         ON CONFLICT (caller, kind, product, period) DO UPDATE SET {sets}"
+    );
     for ((caller, kind, product), d) in &delta {
         if d.iter().all(|&n| n == 0) {
             continue;
         }
-        total.execute(params![caller, kind, product, own.period, d[1] + d[2], d[0], d[1], d[2], d[3], d[4]])?;
+        let billable = d[1].checked_add(d[2]).ok_or(DbError::Overflow)?;
+        sql.exec(&upsert, &vals![caller, kind, product, &own.period, billable, d[0], d[1], d[2], d[3], d[4]])?;
     }
-    tx.execute("DELETE FROM corrections WHERE node = ?1 AND period = ?2", params![own.node, own.period])?;
-    let mut put = tx.prepare_cached(
-        "INSERT INTO corrections (node, period, caller, kind, product, s1, s2, s3, s4, s5)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-    )?;
+    sql.exec("DELETE FROM corrections WHERE node = ?1 AND period = ?2", &vals![&own.node, &own.period])?;
     let mut corrected = 0u64;
     for ((caller, kind, product), s) in &wanted {
-        let s = s.map(sql_int);
-        put.execute(params![own.node, own.period, caller, kind, product, s[0], s[1], s[2], s[3], s[4]])?;
-        corrected += s.iter().sum::<i64>().max(0) as u64;
+        sql.exec(
+            "INSERT INTO corrections (node, period, caller, kind, product, s1, s2, s3, s4, s5)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+            &vals![
+                &own.node,
+                &own.period,
+                caller,
+                kind,
+                product,
+                int(s[0])?,
+                int(s[1])?,
+                int(s[2])?,
+                int(s[3])?,
+                int(s[4])?
+            ],
+        )?;
+        corrected = s.iter().try_fold(corrected, |a, &n| a.checked_add(n)).ok_or(DbError::Overflow)?;
     }
     if corrected > 0 || standing > 0 || counted_less > 0 {
         eprintln!(

@@ -1,17 +1,80 @@
-//! The usage database: one SQLite file in WAL mode, its tables, and the migrations of
-//! stores made by older versions.
+//! The usage database: one SQLite file in WAL mode or a PostgreSQL database, its tables,
+//! the migrations of SQLite stores made by older versions, and the transaction every
+//! reader and writer runs in.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Mutex;
 
 use postern_model::usage::{LATENCY_BUCKETS, Window};
 use rusqlite::{Connection, params};
 
+use super::db::{DbError, Sql, SqliteTx, TxError};
+use super::pg::Pool;
+
 /// The usage database of a control plane.
 #[derive(Debug)]
 pub struct UsageStore {
-    conn: Mutex<Connection>,
-    path: PathBuf,
+    engine: Engine,
+    location: String,
+    workers: Workers,
+}
+
+/// Work the store runs on its own threads.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The store's own blocking workers: the intake, queries and reconciles wait for these
+/// and never take tokio's blocking pool, which publish and key revocation use. As many as
+/// the engine runs side by side; the queue is bounded.
+#[derive(Debug)]
+struct Workers {
+    queue: std::sync::mpsc::SyncSender<Job>,
+}
+
+/// Jobs waiting for a worker at most; past that the store answers busy.
+const QUEUE: usize = 1024;
+
+impl Workers {
+    fn start(n: usize) -> anyhow::Result<Workers> {
+        let (queue, rx) = std::sync::mpsc::sync_channel::<Job>(QUEUE);
+        let rx = std::sync::Arc::new(Mutex::new(rx));
+        for i in 0..n {
+            let rx = rx.clone();
+            std::thread::Builder::new().name(format!("usage-store-{i}")).spawn(move || {
+                loop {
+                    let job = {
+                        let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+                        rx.recv()
+                    };
+                    // The store is gone once its queue is.
+                    let Ok(job) = job else { break };
+                    // A job that panics drops its answer (the caller sees the store fail);
+                    // the worker stays.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })?;
+        }
+        Ok(Workers { queue })
+    }
+}
+
+/// The store's workers did not take or finish a job.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Every worker is busy and the queue is full.
+    #[error("usage store busy: {QUEUE} jobs waiting")]
+    Busy,
+    /// The job failed without an answer.
+    #[error("usage store: a job failed without an answer")]
+    Lost,
+}
+
+#[derive(Debug)]
+enum Engine {
+    /// One connection that writes, one transaction at a time, and one that reads beside
+    /// it (WAL: a reader sees the last commit and waits for no writer).
+    Sqlite { write: Box<Mutex<Connection>>, read: Box<Mutex<Connection>> },
+    /// Bounded pools: batches and reconciles side by side, and reads on their own.
+    Postgres { write: Box<Pool>, read: Box<Pool> },
 }
 
 /// The applied parts of windows: (node, seq, part) is applied once; `raw` is the part as
@@ -40,12 +103,12 @@ fn migrate_applied(conn: &Connection) -> anyhow::Result<()> {
                 let calls: u64 = p.rows.iter().map(|r| r.calls()).sum();
                 insert.execute(params![
                     p.node,
-                    sql_int(p.seq),
+                    i64::try_from(p.seq)?,
                     p.part,
                     p.parts,
-                    sql_int(p.start),
+                    i64::try_from(p.start)?,
                     p.recovered,
-                    sql_int(calls),
+                    i64::try_from(calls)?,
                     received,
                     serde_json::to_vec(&p)?
                 ])?;
@@ -129,23 +192,107 @@ impl UsageStore {
         if !has_overshoot {
             conn.execute_batch("ALTER TABLE totals ADD COLUMN overshoot INTEGER NOT NULL DEFAULT 0")?;
         }
-        Ok(UsageStore { conn: Mutex::new(conn), path: path.to_owned() })
+        Ok(UsageStore {
+            engine: Engine::Sqlite {
+                write: Box::new(Mutex::new(conn)),
+                read: Box::new(Mutex::new(Connection::open_with_flags(
+                    path,
+                    rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+                )?)),
+            },
+            location: path.display().to_string(),
+            workers: Workers::start(SQLITE_WORKERS)?,
+        })
     }
 
-    /// Where the database is.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Opens the usage store in PostgreSQL database `url` (`postgres://…`), creating its
+    /// tables if missing and dropping per-minute rows older than the months kept.
+    pub fn open_postgres(url: &str) -> anyhow::Result<UsageStore> {
+        let pool = Pool::new(url, super::pg::POOL_SIZE)?;
+        pool.migrate(postern_model::disk::unix_now())?;
+        let read = Pool::new(url, super::pg::READ_POOL_SIZE)?;
+        let location = without_password(url);
+        Ok(UsageStore {
+            engine: Engine::Postgres { write: Box::new(pool), read: Box::new(read) },
+            location,
+            workers: Workers::start(super::pg::POOL_SIZE)?,
+        })
     }
 
-    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    /// Opens `spec`: a `postgres://` or `postgresql://` URL, or a SQLite file's path.
+    pub fn open_spec(spec: &str) -> anyhow::Result<UsageStore> {
+        if crate::store::is_postgres(spec) { Self::open_postgres(spec) } else { Self::open(Path::new(spec)) }
+    }
+
+    /// Runs `f` on the store's own workers (off the async workers and off tokio's
+    /// blocking pool) and waits for its answer.
+    pub async fn run<T: Send + 'static>(
+        self: &std::sync::Arc<Self>,
+        f: impl FnOnce(&UsageStore) -> T + Send + 'static,
+    ) -> Result<T, WorkerError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let store = self.clone();
+        let job: Job = Box::new(move || {
+            let _ = tx.send(f(&store));
+        });
+        self.workers.queue.try_send(job).map_err(|_| WorkerError::Busy)?;
+        rx.await.map_err(|_| WorkerError::Lost)
+    }
+
+    /// Where the database is: a file, or a PostgreSQL URL (without its password).
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// Runs `f` in one transaction, committed if it returns `Ok` and rolled back
+    /// otherwise; on PostgreSQL, run again when aborted for a serialization failure or a
+    /// deadlock.
+    pub(crate) fn tx<T, E: TxError>(&self, f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+        match &self.engine {
+            Engine::Sqlite { write, .. } => sqlite_tx(write, f),
+            Engine::Postgres { write, .. } => write.tx(f),
+        }
+    }
+
+    /// Runs `f`, which only reads, in one transaction on a connection kept for reading.
+    pub(crate) fn read<T, E: TxError>(&self, f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+        match &self.engine {
+            Engine::Sqlite { read, .. } => sqlite_tx(read, f),
+            Engine::Postgres { read, .. } => read.tx(f),
+        }
+    }
+
+    /// The PostgreSQL pool, if the store is on PostgreSQL.
+    pub(crate) fn pool(&self) -> Option<&Pool> {
+        match &self.engine {
+            Engine::Postgres { write, .. } => Some(write),
+            Engine::Sqlite { .. } => None,
+        }
     }
 }
 
-/// SQLite integers are signed: counts and times beyond `i64::MAX` do not occur, and are
-/// clamped rather than wrapped if they ever did.
-pub(crate) fn sql_int(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
+fn sqlite_tx<T, E: TxError>(conn: &Mutex<Connection>, mut f: impl FnMut(&mut dyn Sql) -> Result<T, E>) -> Result<T, E> {
+    let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+    let tx = conn.transaction().map_err(DbError::from)?;
+    let v = f(&mut SqliteTx(&tx))?;
+    tx.commit().map_err(DbError::from)?;
+    Ok(v)
+}
+
+/// Workers of a SQLite store: its one connection runs one transaction at a time; a second
+/// worker prepares the next job's arguments meanwhile.
+const SQLITE_WORKERS: usize = 2;
+
+/// `url` with its password (if any) left out, to print.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}@{host}")
+        }
+        None => url.to_owned(),
+    }
 }
 
 pub(crate) fn round2(x: f64) -> f64 {

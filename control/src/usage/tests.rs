@@ -6,8 +6,83 @@ use postern_model::usage::{CallerKind, LATENCY_BUCKETS, NodeCounters, Row, Windo
 use postern_model::{Plan, Quota, QuotaMode};
 use rusqlite::{Connection, params};
 
-use super::store::sql_int;
 use super::*;
+
+/// A fresh usage store for one test: a SQLite file in a temporary directory, or a
+/// PostgreSQL database of its own on 127.0.0.1:5432, dropped after the test.
+enum TestDb {
+    Sqlite(tempfile::TempDir),
+    Postgres(String),
+}
+
+const PG_ADMIN: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+impl TestDb {
+    fn sqlite() -> TestDb {
+        TestDb::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    fn postgres() -> TestDb {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let name = format!("usage_unit_{}_{n}_{nanos}", std::process::id());
+        let mut admin = postgres::Client::connect(PG_ADMIN, postgres::NoTls).unwrap();
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+        TestDb::Postgres(name)
+    }
+
+    fn open(&self) -> UsageStore {
+        match self {
+            TestDb::Sqlite(dir) => UsageStore::open(&dir.path().join("usage.db")).unwrap(),
+            TestDb::Postgres(name) => {
+                UsageStore::open_postgres(&format!("postgres://postgres@127.0.0.1:5432/{name}")).unwrap()
+            }
+        }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let TestDb::Postgres(name) = self
+            && let Ok(mut admin) = postgres::Client::connect(PG_ADMIN, postgres::NoTls)
+        {
+            let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+        }
+    }
+}
+
+/// Runs each test (a `fn(&TestDb)`) on both engines: `<name>::sqlite`, `<name>::postgres`.
+macro_rules! on_both_engines {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn sqlite() {
+                    super::$name(&super::TestDb::sqlite());
+                }
+                #[test]
+                fn postgres() {
+                    super::$name(&super::TestDb::postgres());
+                }
+            }
+        )*
+    };
+}
+
+on_both_engines!(
+    a_window_is_added_once_however_often_it_comes,
+    rows_group_by_minute_and_day_and_a_team_sees_its_routes,
+    gaps_below_the_highest_number_are_asked_for_until_filled,
+    parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are,
+    a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it,
+    a_hard_quota_flags_its_caller_and_bills_no_overshoot,
+    an_overage_quota_warns_and_bills_everything,
+    a_node_may_report_only_what_it_could_have_counted,
+    a_late_window_of_a_period_already_over_flags_nothing,
+    a_total_past_i64_max_is_refused_never_clamped,
+    a_team_reads_at_most_31_days,
+);
 
 fn row(caller: &str, route: &str, status: [u64; 5], ms: u64) -> Row {
     let mut latency = vec![0; LATENCY_BUCKETS];
@@ -30,10 +105,8 @@ fn window(node: &str, seq: u64, start: u64, rows: Vec<Row>) -> Window {
 // 2026-12-01T00:00:00Z.
 const DEC: u64 = 1_796_083_200;
 
-#[test]
-fn a_window_is_added_once_however_often_it_comes() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn a_window_is_added_once_however_often_it_comes(db: &TestDb) {
+    let store = db.open();
     let w1 = window("a", 1, DEC, vec![row("k1", "search/query", [0, 7, 1, 2, 0], 4)]);
     let w2 = window("a", 2, DEC + 10, vec![row("k1", "search/query", [0, 3, 0, 0, 1], 40)]);
     let ack = |applied, duplicates| UsageAck { applied, duplicates, missing: Vec::new() };
@@ -58,14 +131,12 @@ fn a_window_is_added_once_however_often_it_comes() {
     assert_eq!((nodes[0].windows, nodes[0].last_seq, nodes[0].missing, nodes[0].duplicates), (2, 2, 0, 2));
     // Reopened, everything is still there.
     drop(store);
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+    let store = db.open();
     assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 11);
 }
 
-#[test]
-fn rows_group_by_minute_and_day_and_a_team_sees_its_routes() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn rows_group_by_minute_and_day_and_a_team_sees_its_routes(db: &TestDb) {
+    let store = db.open();
     let windows = vec![
         window(
             "a",
@@ -94,10 +165,8 @@ fn rows_group_by_minute_and_day_and_a_team_sees_its_routes() {
     assert_eq!(store.nodes().unwrap()[1].missing, 4);
 }
 
-#[test]
-fn gaps_below_the_highest_number_are_asked_for_until_filled() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn gaps_below_the_highest_number_are_asked_for_until_filled(db: &TestDb) {
+    let store = db.open();
     let w = |seq| window("a", seq, DEC + seq * 10, vec![row("k1", "search/query", [0, 1, 0, 0, 0], 1)]);
     // `now` is after the last window: a window may not start in the future.
     let missing = |ack: UsageAck| ack.missing.iter().map(|m| (m.from, m.to)).collect::<Vec<_>>();
@@ -113,10 +182,8 @@ fn gaps_below_the_highest_number_are_asked_for_until_filled() {
     assert_eq!(store.nodes().unwrap()[0].missing, 0);
 }
 
-#[test]
-fn parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are(db: &TestDb) {
+    let store = db.open();
     let q = Quotas::default();
     let whole = |seq| {
         window(
@@ -170,7 +237,7 @@ fn a_store_of_whole_windows_is_rewritten_as_parts() {
         .unwrap();
         conn.execute(
             "INSERT INTO applied VALUES ('a', 1, ?1, 0, 3, ?1, ?2)",
-            params![sql_int(DEC), serde_json::to_vec(&w).unwrap()],
+            params![DEC as i64, serde_json::to_vec(&w).unwrap()],
         )
         .unwrap();
     }
@@ -181,10 +248,8 @@ fn a_store_of_whole_windows_is_rewritten_as_parts() {
     assert_eq!((n.windows, n.last_seq), (1, 1));
 }
 
-#[test]
-fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it(db: &TestDb) {
+    let store = db.open();
     let none = Quotas::default();
     let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
     let after = DEC + CLOSE_GRACE_S;
@@ -304,10 +369,8 @@ fn quotas(mode: QuotaMode, calls: u64, every: u64) -> Quotas {
     Quotas::new(&plans, &creds)
 }
 
-#[test]
-fn a_hard_quota_flags_its_caller_and_bills_no_overshoot() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn a_hard_quota_flags_its_caller_and_bills_no_overshoot(db: &TestDb) {
+    let store = db.open();
     let q = quotas(QuotaMode::Hard, 100, 60);
     assert!(q.of(CallerKind::Key, "k1").is_some() && q.of(CallerKind::Key, "k2").is_none());
     // 70 calls (and 5 refused ones, not billable), then 15: 80 % is passed.
@@ -353,10 +416,8 @@ fn a_hard_quota_flags_its_caller_and_bills_no_overshoot() {
     assert_eq!(store.events(0, 10, Some(DEC + 200)).unwrap().len(), 1);
 }
 
-#[test]
-fn an_overage_quota_warns_and_bills_everything() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn an_overage_quota_warns_and_bills_everything(db: &TestDb) {
+    let store = db.open();
     let q = quotas(QuotaMode::Overage, 10, 60);
     store.apply(&[window("a", 1, DEC, vec![row("k1", "search/query", [0, 25, 0, 0, 0], 4)])], DEC, &q).unwrap();
     assert_eq!(store.events(0, 10, None).unwrap().iter().map(|e| e.percent).collect::<Vec<_>>(), vec![80, 100]);
@@ -365,10 +426,8 @@ fn an_overage_quota_warns_and_bills_everything() {
     assert_eq!((t.billable, t.overshoot), (25, 0));
 }
 
-#[test]
-fn a_node_may_report_only_what_it_could_have_counted() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn a_node_may_report_only_what_it_could_have_counted(db: &TestDb) {
+    let store = db.open();
     let q = quotas(QuotaMode::Hard, 100, 60);
     let ok = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 5, 0, 0, 0], 4)]);
     store.apply(&[ok(1, DEC), ok(2, DEC + 10)], DEC + 20, &q).unwrap();
@@ -404,10 +463,8 @@ fn a_node_may_report_only_what_it_could_have_counted() {
     assert_eq!(store.apply(&[ok(1, DEC)], DEC + 1_000_000, &q).unwrap().duplicates, 1);
 }
 
-#[test]
-fn a_late_window_of_a_period_already_over_flags_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = UsageStore::open(&dir.path().join("usage.db")).unwrap();
+fn a_late_window_of_a_period_already_over_flags_nothing(db: &TestDb) {
+    let store = db.open();
     let q = quotas(QuotaMode::Hard, 100, 60);
     let w = |seq, start, ok| window("a", seq, start, vec![row("k1", "search/query", [0, ok, 0, 0, 0], 4)]);
     // 120 calls of the period [DEC, DEC + 60) arrive after it ended: billed up to the
@@ -434,4 +491,175 @@ fn reconcile_asks_for_runs_whatever_the_counters_claim() {
     assert!(c(10, vec![(3, 4), (6, 10)]).check().is_ok());
     assert_eq!(rfc3339(u64::MAX), "9999-12-31T23:59:59Z");
     assert_eq!(rfc3339(DEC), "2026-12-01T00:00:00Z");
+}
+
+fn a_total_past_i64_max_is_refused_never_clamped(db: &TestDb) {
+    let store = db.open();
+    let ok = |seq, start, n| window("a", seq, start, vec![row("k1", "search/query", [0, n, 0, 0, 0], 4)]);
+    store.apply(&[ok(1, DEC, 5)], DEC, &Quotas::default()).unwrap();
+    // A total a few calls short of i64::MAX (as a forged node could have pushed it).
+    let near = i64::MAX - 3;
+    store
+        .tx(|sql| sql.exec("UPDATE totals SET billable = ?1, s2 = ?1 WHERE caller = 'k1'", &super::db::vals![near]))
+        .unwrap();
+    let r = store.apply(&[ok(2, DEC + 10, 5)], DEC + 10, &Quotas::default());
+    match r {
+        Err(ApplyError::Refused(e)) => assert_eq!(e.rule(), "total_overflow"),
+        other => panic!("not refused: {other:?}"),
+    }
+    // Nothing of it: the total is as it was, an integer, and the window is not applied.
+    let t = store.totals("2026-12", Some("k1")).unwrap();
+    assert_eq!((t[0].billable, t[0].status.s2), (near as u64, near as u64));
+    assert_eq!(store.nodes().unwrap()[0].last_seq, 1);
+    let refused: Vec<(String, u64, u64)> =
+        store.refusals().unwrap().into_iter().map(|r| (r.rule, r.count, r.last_seq)).collect();
+    assert_eq!(refused, vec![("total_overflow".to_owned(), 1, 2)]);
+    // Within the bound it still adds.
+    store.apply(&[ok(2, DEC + 10, 3)], DEC + 10, &Quotas::default()).unwrap();
+    assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, i64::MAX as u64);
+}
+
+fn a_team_reads_at_most_31_days(db: &TestDb) {
+    let store = db.open();
+    store
+        .apply(&[window("a", 1, DEC, vec![row("k1", "search/query", [0, 2, 0, 0, 0], 4)])], DEC, &Quotas::default())
+        .unwrap();
+    let q = |to| Query { caller: None, product: None, team: Some("search".into()), from: DEC, to, by: By::Route };
+    let rows = store.query(&q(DEC + MAX_TEAM_RANGE_S)).unwrap();
+    assert_eq!(rows.iter().map(|r| (r.route.as_str(), r.calls)).collect::<Vec<_>>(), vec![("search/query", 2)]);
+    assert!(store.query(&q(DEC + MAX_TEAM_RANGE_S + 1)).is_err());
+}
+
+#[test]
+fn on_postgres_minutes_are_kept_13_months_and_totals_for_good() {
+    let db = TestDb::postgres();
+    let store = db.open();
+    let pool = store.pool().unwrap();
+    // 2025-10-01, fourteen months before December 2026: its minute rows are not kept.
+    let old = 1_759_276_800;
+    let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 3, 0, 0, 0], 4)]);
+    store.apply(&[w(1, old)], DEC, &Quotas::default()).unwrap();
+    store.apply(&[w(2, DEC)], DEC, &Quotas::default()).unwrap();
+    assert_eq!(store.totals("2025-10", None).unwrap()[0].billable, 3);
+    let all = Query { caller: None, product: None, team: None, from: 0, to: DEC + 60, by: By::Minute };
+    let at: Vec<Option<String>> = store.query(&all).unwrap().into_iter().map(|r| r.at).collect();
+    assert_eq!(at, vec![Some("2026-12-01T00:00:00Z".to_owned())]);
+    // A partition of a month no longer kept is dropped; the kept ones stay.
+    let dec_2025 = 1_764_547_200;
+    pool.ensure_month(dec_2025, DEC).unwrap();
+    pool.ensure_month(old, old).unwrap();
+    assert_eq!(pool.prune(DEC).unwrap(), vec!["2025-10".to_owned()]);
+    assert_eq!(super::pg::Pool::first_kept(DEC), dec_2025);
+    assert_eq!(store.query(&all).unwrap().len(), 1);
+}
+
+/// The usage intake of a fleet: 90 nodes, each sending a 10 s window of 3,000 rows
+/// (1,000 callers, 3 routes each; callers are shared between nodes, as a load balancer
+/// spreads them), applied by as many workers as the engine runs side by side, while one
+/// key's month by route is read over and over. Prints sustained rows/s and the query's
+/// latency. `POSTERN_BENCH_WINDOWS` (default 3) windows per node, `POSTERN_BENCH_BATCH`
+/// (default 1) windows a transaction; run (BENCHMARKS.md):
+/// `cargo test --workspace --lib -- --ignored --nocapture usage_intake_of_a_fleet`.
+#[test]
+#[ignore = "a benchmark: run by hand, see BENCHMARKS.md"]
+fn usage_intake_of_a_fleet() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    const NODES: u64 = 90;
+    const CALLERS: usize = 1_000;
+    const ROUTES: usize = 3;
+    let per_node: u64 = std::env::var("POSTERN_BENCH_WINDOWS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    // Windows a transaction: 1 as the HTTP intake gets them from one node; more as the
+    // Kafka consumer takes what the stream holds of several nodes.
+    let batch: usize = std::env::var("POSTERN_BENCH_BATCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    let now = DEC + 86_400 * 20;
+    let window_of = |node: u64, seq: u64| {
+        let rows = (0..CALLERS * ROUTES)
+            .map(|i| {
+                // Each node sees a third of the callers twice over: overlapping keys.
+                let caller = (i / ROUTES + node as usize * 333) % 3_000;
+                let mut r = row(
+                    &format!("key_{caller:06}"),
+                    &format!("team{}/route{}", i % ROUTES, i % ROUTES),
+                    [0, 6, 0, 1, 0],
+                    7,
+                );
+                r.product = format!("product{}", i % ROUTES);
+                r
+            })
+            .collect();
+        window(&format!("node-{node:02}"), seq, now - 86_400 * 19 + seq * 10, rows)
+    };
+    for (engine, db, workers) in
+        [("PostgreSQL", TestDb::postgres(), super::pg::POOL_SIZE), ("SQLite", TestDb::sqlite(), 2)]
+    {
+        let store = Arc::new(db.open());
+        // The windows in the order a fleet sends them: every node's seq 1, then 2, ...
+        let jobs: Vec<Window> =
+            (1..=per_node).flat_map(|seq| (0..NODES).map(move |n| (n, seq))).map(|(n, s)| window_of(n, s)).collect();
+        let rows: usize = jobs.iter().map(|w| w.rows.len()).sum();
+        let jobs = Arc::new(jobs);
+        let next = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (store, done) = (store.clone(), done.clone());
+            std::thread::spawn(move || {
+                let q = Query {
+                    caller: Some("key_000007".into()),
+                    product: None,
+                    team: None,
+                    from: DEC,
+                    to: DEC + 31 * 86_400,
+                    by: By::Route,
+                };
+                let mut lat = Vec::new();
+                while !done.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    store.query(&q).unwrap();
+                    lat.push(t.elapsed());
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                lat
+            })
+        };
+        let start = Instant::now();
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                let (store, jobs, next) = (store.clone(), jobs.clone(), next.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        let i = next.fetch_add(batch, Ordering::Relaxed);
+                        let Some(ws) = jobs.get(i..(i + batch).min(jobs.len())) else { break };
+                        if ws.is_empty() {
+                            break;
+                        }
+                        store.apply(ws, now, &Quotas::default()).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let took = start.elapsed();
+        done.store(true, Ordering::Relaxed);
+        let mut lat = reader.join().unwrap();
+        lat.sort();
+        let pick = |q: f64| lat.get(((lat.len() as f64 - 1.0) * q) as usize).copied().unwrap_or_default();
+        let t = store.totals("2026-12", Some("key_000007")).unwrap();
+        assert!(!t.is_empty());
+        println!(
+            "{engine}: {} windows, {batch} a transaction, {rows} rows in {:.1} s by {workers} workers: {:.0} rows/s; \
+             one key's month by route while intake runs: {} reads, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            jobs.len(),
+            took.as_secs_f64(),
+            rows as f64 / took.as_secs_f64(),
+            lat.len(),
+            pick(0.5).as_secs_f64() * 1e3,
+            pick(0.99).as_secs_f64() * 1e3,
+            lat.last().copied().unwrap_or_default().as_secs_f64() * 1e3,
+        );
+    }
 }
