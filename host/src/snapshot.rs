@@ -421,7 +421,9 @@ impl Builder {
                 format!("filter {}: module {:?} is not a sha256 digest", attachment.name, attachment.module)
             })?;
         let path = self.modules_dir.join(format!("{hex}.wasm"));
-        let bytes = std::fs::read(&path)
+        // The node's modules folder, filled from the control plane: a regular file within
+        // the module cap, whatever else was put there.
+        let bytes = postern_model::disk::read_regular(&path, postern_model::disk::MODULE_FILE_CAP)
             .map_err(|e| format!("filter {}: cannot read {}: {e}", attachment.name, path.display()))?;
         let module = runtime
             .load(&bytes, Some(&attachment.module))
