@@ -606,8 +606,8 @@ impl QuotaDoc {
                 Anchor::BillingDay(s[4..].parse().map_err(|_| AnchorDocError::Day(s.to_owned()))?)
             }
             s if s.starts_with("every-") => {
-                let d = parse_duration(&s[6..])
-                    .map_err(|source| AnchorDocError::Every { text: s.to_owned(), source })?;
+                let d =
+                    parse_duration(&s[6..]).map_err(|source| AnchorDocError::Every { text: s.to_owned(), source })?;
                 Anchor::EverySeconds(d.as_secs())
             }
             s => return Err(AnchorDocError::Unknown(s.to_owned())),

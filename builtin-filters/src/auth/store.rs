@@ -316,7 +316,11 @@ fn key_entry(
     // Keys share few scope sets: join only when the set differs from the last one.
     if k.scopes != last_scopes.0 {
         let joined = k.scopes.join(" ");
-        let value = if joined.is_empty() { Bytes::new() } else { names.get(&joined, "scopes").map_err(|e| at(e.to_string()))? };
+        let value = if joined.is_empty() {
+            Bytes::new()
+        } else {
+            names.get(&joined, "scopes").map_err(|e| at(e.to_string()))?
+        };
         *last_scopes = (k.scopes.clone(), value);
     }
     let identity = Identity {

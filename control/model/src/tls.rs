@@ -95,8 +95,7 @@ pub fn identity(cert: &Path, key: &Path) -> Result<(Vec<CertificateDer<'static>>
     if certs.is_empty() {
         return Err(TlsError::NoCerts { what: cert.display().to_string() });
     }
-    let key =
-        PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::ReadKey { path: key.to_owned(), source })?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::ReadKey { path: key.to_owned(), source })?;
     Ok((certs, key))
 }
 

@@ -431,8 +431,8 @@ fn route_sample(
     let mut headers = http::HeaderMap::new();
     for (k, v) in &r.headers {
         let name = http::HeaderName::from_bytes(k.as_bytes()).map_err(|_| SampleError::HeaderName(k.clone()))?;
-        let value =
-            http::HeaderValue::from_str(v).map_err(|_| SampleError::HeaderValue { name: k.clone(), value: v.clone() })?;
+        let value = http::HeaderValue::from_str(v)
+            .map_err(|_| SampleError::HeaderValue { name: k.clone(), value: v.clone() })?;
         headers.insert(name, value);
     }
     let host = postern_router::strip_port(r.host.as_deref().unwrap_or("sample.invalid")).to_ascii_lowercase();

@@ -237,18 +237,12 @@ fn envelope(event: &QuotaEvent) -> serde_json::Value {
     })
 }
 
-async fn deliver(
-    client: &postern_model::tls::ControlClient,
-    url: &str,
-    event: &QuotaEvent,
-) -> Result<(), QuotaError> {
+async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &QuotaEvent) -> Result<(), QuotaError> {
     let body = Bytes::from(envelope(event).to_string());
-    let req = Request::post(url)
-        .header(http::header::CONTENT_TYPE, "application/cloudevents+json")
-        .body(Full::new(body))?;
-    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
-        .await
-        .map_err(|_| QuotaError::Timeout)??;
+    let req =
+        Request::post(url).header(http::header::CONTENT_TYPE, "application/cloudevents+json").body(Full::new(body))?;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(10), client.request(req)).await.map_err(|_| QuotaError::Timeout)??;
     let status = resp.status();
     let _ = resp.into_body().collect().await;
     if status.is_success() { Ok(()) } else { Err(QuotaError::Answered(status.as_u16())) }

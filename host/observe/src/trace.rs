@@ -64,8 +64,10 @@ impl TraceSettings {
     /// The endpoint with the traces path when it was given without one.
     fn url(&self) -> Result<String, EndpointError> {
         let endpoint = || self.endpoint.clone();
-        let uri: http::Uri =
-            self.endpoint.parse().map_err(|e: http::uri::InvalidUri| EndpointError::Parse { endpoint: endpoint(), why: e.to_string() })?;
+        let uri: http::Uri = self
+            .endpoint
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| EndpointError::Parse { endpoint: endpoint(), why: e.to_string() })?;
         match uri.scheme_str() {
             Some("http") => {}
             _ => return Err(EndpointError::NotHttp { endpoint: endpoint() }),

@@ -494,9 +494,9 @@ fn build(
         .map_err(ClientError::Versions)?
         .with_root_certificates(roots);
     let config = match identity {
-        Some(id) if transport.tls.is_some() => config
-            .with_client_auth_cert(id.certs.clone(), id.key.clone_key())
-            .map_err(ClientError::ClientCert)?,
+        Some(id) if transport.tls.is_some() => {
+            config.with_client_auth_cert(id.certs.clone(), id.key.clone_key()).map_err(ClientError::ClientCert)?
+        }
         _ => config.with_no_client_auth(),
     };
     let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();

@@ -114,7 +114,15 @@ impl Listeners {
     pub fn spawn(self, gw: &Arc<Gateway>, stop: &watch::Receiver<bool>) -> [tokio::task::JoinHandle<()>; 3] {
         let Listeners { public, partner, admin, tls, limits, hops } = self;
         [
-            tokio::spawn(accept_loop(gw.clone(), public, Pool::Public, tls.clone(), limits, hops.clone(), stop.clone())),
+            tokio::spawn(accept_loop(
+                gw.clone(),
+                public,
+                Pool::Public,
+                tls.clone(),
+                limits,
+                hops.clone(),
+                stop.clone(),
+            )),
             tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop.clone())),
             tokio::spawn(admin_loop(gw.clone(), admin, stop.clone())),
         ]

@@ -56,7 +56,8 @@ impl ObserveSettings {
                 .zip(args.usage_kafka.clone())
                 .map(|(topic, brokers)| (topic, brokers, args.usage_kafka_option.clone())),
         });
-        let traces = args.otlp_endpoint.as_ref().map(|e| TraceExport { endpoint: e.clone(), sample: args.trace_sample });
+        let traces =
+            args.otlp_endpoint.as_ref().map(|e| TraceExport { endpoint: e.clone(), sample: args.trace_sample });
         ObserveSettings { access_log, traces }
     }
 

@@ -70,7 +70,8 @@ pub enum ResponseError {
 /// Compares with the message, as tests read it.
 impl PartialEq<&str> for ResponseError {
     fn eq(&self, other: &&str) -> bool {
-        self.to_string() == *other
+        let message = self.to_string();
+        message == *other
     }
 }
 

@@ -89,7 +89,8 @@ pub enum TemplateError {
 /// Compares with the message, as tests and callers read it.
 impl PartialEq<&str> for TemplateError {
     fn eq(&self, other: &&str) -> bool {
-        self.to_string() == *other
+        let message = self.to_string();
+        message == *other
     }
 }
 

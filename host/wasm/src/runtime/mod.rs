@@ -148,7 +148,8 @@ pub struct UnknownReset(pub String);
 /// Compares with the message, as tests read it.
 impl PartialEq<&str> for UnknownReset {
     fn eq(&self, other: &&str) -> bool {
-        self.to_string() == *other
+        let message = self.to_string();
+        message == *other
     }
 }
 
