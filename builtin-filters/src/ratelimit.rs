@@ -316,14 +316,39 @@ pub struct Limit {
 
 impl Limit {
     /// A limit named `name` (the policy name in `RateLimit-Policy`) at rate `r`.
-    pub fn from_rate(name: &str, r: &Rate) -> Result<Limit, String> {
+    pub fn from_rate(name: &str, r: &Rate) -> Result<Limit, LimitError> {
         if r.rps == 0 || r.burst == 0 {
-            return Err(format!("{name}: rps and burst must be at least 1"));
+            return Err(LimitError::Zero { name: name.to_owned() });
         }
         let window = r.burst.div_ceil(r.rps).max(1);
         let policy = HeaderValue::from_str(&format!("\"{name}\";q={};w={window}", r.burst))
-            .map_err(|e| format!("{name}: {e}"))?;
+            .map_err(|source| LimitError::Policy { name: name.to_owned(), source })?;
         Ok(Limit { interval_ns: 1_000_000_000 / r.rps, burst: r.burst, policy })
+    }
+}
+
+/// Why a rate cannot be a [`Limit`].
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// A rate or burst of zero.
+    #[error("{name}: rps and burst must be at least 1")]
+    Zero {
+        /// The policy name.
+        name: String,
+    },
+    /// A policy name that cannot be in a header.
+    #[error("{name}: {source}")]
+    Policy {
+        /// The policy name.
+        name: String,
+        /// Why.
+        source: http::header::InvalidHeaderValue,
+    },
+}
+
+impl From<LimitError> for ConfigError {
+    fn from(e: LimitError) -> ConfigError {
+        ConfigError(e.to_string())
     }
 }
 

@@ -40,8 +40,18 @@ pub fn parse_yaml<T: DeserializeOwned>(text: &str) -> Result<T, (String, String)
 
 /// Parses a duration like `250ms`, `90s`, `15m` or `24h`: the one duration parser, for
 /// the repository's files, the CLI's flags and the key service's requests.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{s:?} is not a duration like 250ms, 90s, 15m or 24h: {e}"))
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
+    humantime::parse_duration(s).map_err(|source| DurationError { text: s.to_owned(), source })
+}
+
+/// A text that is not a duration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{text:?} is not a duration like 250ms, 90s, 15m or 24h: {source}")]
+pub struct DurationError {
+    /// The text as given.
+    pub text: String,
+    /// Why it does not parse.
+    pub source: humantime::DurationError,
 }
 
 /// `platform/clusters.yaml`.
@@ -588,22 +598,45 @@ pub struct QuotaDoc {
 
 impl QuotaDoc {
     /// The anchor, parsed and checked.
-    pub fn anchor(&self) -> Result<postern_model::usage::Anchor, String> {
+    pub fn anchor(&self) -> Result<postern_model::usage::Anchor, AnchorDocError> {
         use postern_model::usage::Anchor;
         let a = match self.anchor.as_deref().unwrap_or("utc-month") {
             "utc-month" => Anchor::UtcMonth,
             s if s.starts_with("day-") => {
-                Anchor::BillingDay(s[4..].parse().map_err(|_| format!("{s:?}: day-N takes a day 1 to 28"))?)
+                Anchor::BillingDay(s[4..].parse().map_err(|_| AnchorDocError::Day(s.to_owned()))?)
             }
             s if s.starts_with("every-") => {
-                let d = parse_duration(&s[6..]).map_err(|e| format!("{s:?}: {e}"))?;
+                let d =
+                    parse_duration(&s[6..]).map_err(|source| AnchorDocError::Every { text: s.to_owned(), source })?;
                 Anchor::EverySeconds(d.as_secs())
             }
-            s => return Err(format!("{s:?}: give utc-month, day-N or every-<duration>")),
+            s => return Err(AnchorDocError::Unknown(s.to_owned())),
         };
         a.check()?;
         Ok(a)
     }
+}
+
+/// Why a quota's `anchor` was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AnchorDocError {
+    /// `day-N` with N not a number.
+    #[error("{0:?}: day-N takes a day 1 to 28")]
+    Day(String),
+    /// `every-<duration>` with no duration.
+    #[error("{text:?}: {source}")]
+    Every {
+        /// The anchor as given.
+        text: String,
+        /// Why the duration does not parse.
+        source: DurationError,
+    },
+    /// None of the forms.
+    #[error("{0:?}: give utc-month, day-N or every-<duration>")]
+    Unknown(String),
+    /// A day or period out of range.
+    #[error(transparent)]
+    Check(#[from] postern_model::usage::AnchorError),
 }
 
 /// `onSyncLoss` of a plan.

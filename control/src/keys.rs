@@ -16,17 +16,27 @@ use serde::Serialize;
 
 use crate::credentials::{DENY_FILE, KEYS_FILE, parse_keys};
 
+/// A name that is not a priority class, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a priority: use critical, standard, free or sheddable")]
+pub struct UnknownPriority(pub String);
+
+/// A name that is not a supported signature algorithm, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a supported algorithm: use ES256 or RS256")]
+pub struct UnknownAlg(pub String);
+
 /// Parses a priority class: `critical`, `standard`, `free` or `sheddable`.
-pub fn parse_priority(s: &str) -> Result<Priority, String> {
-    Priority::parse(s).ok_or_else(|| format!("{s:?} is not a priority: use critical, standard, free or sheddable"))
+pub fn parse_priority(s: &str) -> Result<Priority, UnknownPriority> {
+    Priority::parse(s).ok_or_else(|| UnknownPriority(s.to_owned()))
 }
 
 /// Parses a signature algorithm: `ES256` or `RS256`.
-pub fn parse_alg(s: &str) -> Result<Alg, String> {
+pub fn parse_alg(s: &str) -> Result<Alg, UnknownAlg> {
     match s {
         "ES256" | "es256" => Ok(Alg::ES256),
         "RS256" | "rs256" => Ok(Alg::RS256),
-        _ => Err(format!("{s:?} is not a supported algorithm: use ES256 or RS256")),
+        _ => Err(UnknownAlg(s.to_owned())),
     }
 }
 

@@ -211,7 +211,7 @@ impl Spec {
         while let Some(r) = v.get("$ref") {
             let at = format!("{ptr}/$ref");
             let r = r.as_str().ok_or_else(|| err(&at, "$ref must be a string"))?;
-            let key = local_pointer(r).map_err(|m| err(&at, m))?;
+            let key = local_pointer(r).map_err(|m| err(&at, m.to_string()))?;
             if !seen.insert(key.clone()) {
                 return Err(err(at, format!("$ref cycle through {r}")));
             }
@@ -586,7 +586,7 @@ impl Converter<'_> {
         let key = match local_pointer(text) {
             Ok(k) => k,
             Err(m) => {
-                self.error(ptr, m);
+                self.error(ptr, m.to_string());
                 return r.clone();
             }
         };
@@ -789,39 +789,48 @@ fn unresolved(r: &str) -> String {
 }
 
 /// The JSON pointer of a local `$ref` (`#/components/schemas/Order`), percent-decoded
-/// as RFC 6901 says of URI fragments; the message for any other.
-fn local_pointer(r: &str) -> Result<String, String> {
+/// as RFC 6901 says of URI fragments; why not, for any other.
+fn local_pointer(r: &str) -> Result<String, RefError> {
     let Some(fragment) = r.strip_prefix('#') else {
-        return Err(format!("remote $ref is refused: {r}"));
+        return Err(RefError::Remote(r.to_owned()));
     };
-    let pointer = percent_decode(fragment).ok_or_else(|| format!("$ref {r} is not a valid URI fragment"))?;
+    let pointer = percent_decode(fragment).ok_or_else(|| RefError::Fragment(r.to_owned()))?;
     if pointer.is_empty() {
-        return Err(format!("$ref {r} points at the whole document, not a schema"));
+        return Err(RefError::Whole(r.to_owned()));
     }
     if !pointer.starts_with('/') {
-        return Err(format!(
-            "$ref {r}: anchors are not supported by the gateway's validator (give a JSON pointer like #/components/schemas/Order)"
-        ));
+        return Err(RefError::Anchor(r.to_owned()));
     }
     Ok(pointer)
 }
 
+/// Why a `$ref` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum RefError {
+    #[error("remote $ref is refused: {0}")]
+    Remote(String),
+    #[error("$ref {0} is not a valid URI fragment")]
+    Fragment(String),
+    #[error("$ref {0} points at the whole document, not a schema")]
+    Whole(String),
+    #[error(
+        "$ref {0}: anchors are not supported by the gateway's validator (give a JSON pointer like #/components/schemas/Order)"
+    )]
+    Anchor(String),
+}
+
+/// A fragment percent-decoded; `None` for a `%` not followed by two hex digits
+/// (`percent-encoding` would keep it as it is) or for text that is not UTF-8.
 fn percent_decode(s: &str) -> Option<String> {
     let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while let Some(&c) = b.get(i) {
-        if c == b'%' {
-            let hex = |j: usize| b.get(j).and_then(|h| char::from(*h).to_digit(16));
-            let (hi, lo) = (hex(i + 1)?, hex(i + 2)?);
-            out.push(u8::try_from(hi * 16 + lo).ok()?);
-            i += 3;
-        } else {
-            out.push(c);
-            i += 1;
-        }
+    let malformed = b
+        .iter()
+        .enumerate()
+        .any(|(i, &c)| c == b'%' && !b.get(i + 1..i + 3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)));
+    if malformed {
+        return None;
     }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s).decode_utf8().ok().map(std::borrow::Cow::into_owned)
 }
 
 /// One RFC 6901 reference token.
@@ -829,18 +838,32 @@ fn escape(token: &str) -> String {
     token.replace('~', "~0").replace('/', "~1")
 }
 
+/// What a URI fragment holds as it is (RFC 3986's `fragment`): the rest is escaped.
+const FRAGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'!')
+    .remove(b'$')
+    .remove(b'&')
+    .remove(b'\'')
+    .remove(b'(')
+    .remove(b')')
+    .remove(b'*')
+    .remove(b'+')
+    .remove(b',')
+    .remove(b';')
+    .remove(b'=')
+    .remove(b':')
+    .remove(b'@')
+    .remove(b'/')
+    .remove(b'?');
+
 /// A JSON pointer written into a URI fragment: what a fragment may not hold (and `%`)
 /// percent-encoded (RFC 6901, section 6).
 fn fragment_encode(pointer: &str) -> String {
-    let mut out = String::with_capacity(pointer.len());
-    for b in pointer.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/?".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(pointer, FRAGMENT).to_string()
 }
 
 #[cfg(test)]

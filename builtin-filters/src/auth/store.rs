@@ -252,6 +252,44 @@ pub enum StoreError {
     Other(String),
 }
 
+/// A deny entry that is out of shape.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum DenyError {
+    #[error("deny[{0}]: issued_before is required")]
+    IssuedBefore(usize),
+    #[error("deny[{0}]: set exactly one of jti, sub or client_id")]
+    OneOf(usize),
+}
+
+/// A value that cannot be an identity header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} {value:?} must be 1 to 1024 printable ASCII characters")]
+struct BadHeaderValue {
+    what: String,
+    value: String,
+}
+
+/// A signing key that does not parse as its algorithm's public key.
+#[derive(Debug, thiserror::Error)]
+enum BadKey {
+    #[error("{0}")]
+    Pem(#[from] jsonwebtoken::errors::Error),
+    #[error("{0}")]
+    Rejected(#[from] aws_lc_rs::error::KeyRejected),
+}
+
+impl From<DenyError> for StoreError {
+    fn from(e: DenyError) -> StoreError {
+        StoreError::Other(e.to_string())
+    }
+}
+
+impl From<BadHeaderValue> for StoreError {
+    fn from(e: BadHeaderValue) -> StoreError {
+        StoreError::Other(e.to_string())
+    }
+}
+
 impl From<String> for StoreError {
     fn from(s: String) -> StoreError {
         StoreError::Other(s)
@@ -278,16 +316,20 @@ fn key_entry(
     // Keys share few scope sets: join only when the set differs from the last one.
     if k.scopes != last_scopes.0 {
         let joined = k.scopes.join(" ");
-        let value = if joined.is_empty() { Bytes::new() } else { names.get(&joined, "scopes").map_err(at)? };
+        let value = if joined.is_empty() {
+            Bytes::new()
+        } else {
+            names.get(&joined, "scopes").map_err(|e| at(e.to_string()))?
+        };
         *last_scopes = (k.scopes.clone(), value);
     }
     let identity = Identity {
         kind: CredentialKind::ApiKey,
         subject: None,
-        client_id: Some(names.get(&k.app, "app").map_err(at)?),
-        tenant: Some(names.get(&k.tenant, "tenant").map_err(at)?),
-        key_id: Some(header_value(&k.id, "id").map_err(at)?),
-        plan: Some(names.get(&k.plan, "plan").map_err(at)?),
+        client_id: Some(names.get(&k.app, "app").map_err(|e| at(e.to_string()))?),
+        tenant: Some(names.get(&k.tenant, "tenant").map_err(|e| at(e.to_string()))?),
+        key_id: Some(header_value(&k.id, "id").map_err(|e| at(e.to_string()))?),
+        plan: Some(names.get(&k.plan, "plan").map_err(|e| at(e.to_string()))?),
         scopes: last_scopes.1.clone(),
     };
     let entry = KeyEntry {
@@ -300,8 +342,7 @@ fn key_entry(
 
 impl DenyList {
     /// Adds entry `i`, unless every token it covers has already expired at `now`.
-    fn add(&mut self, i: usize, d: &DenyEntry, lifetime: u64, now: u64) -> Result<(), String> {
-        let at = format!("deny[{i}]");
+    fn add(&mut self, i: usize, d: &DenyEntry, lifetime: u64, now: u64) -> Result<(), DenyError> {
         match (&d.jti, &d.sub, &d.client_id) {
             (Some(jti), None, None) => {
                 let exp = d.expires_at.unwrap_or(now.saturating_add(lifetime));
@@ -311,7 +352,7 @@ impl DenyList {
                 }
             }
             (None, Some(who), None) | (None, None, Some(who)) => {
-                let before = d.issued_before.ok_or_else(|| format!("{at}: issued_before is required"))?;
+                let before = d.issued_before.ok_or(DenyError::IssuedBefore(i))?;
                 let exp = d.expires_at.unwrap_or(before.saturating_add(lifetime));
                 if exp >= now {
                     let map = if d.sub.is_some() { &mut self.sub } else { &mut self.client };
@@ -320,7 +361,7 @@ impl DenyList {
                     e.expires_at = e.expires_at.max(exp);
                 }
             }
-            _ => return Err(format!("{at}: set exactly one of jti, sub or client_id")),
+            _ => return Err(DenyError::OneOf(i)),
         }
         Ok(())
     }
@@ -332,7 +373,7 @@ impl DenyList {
 struct Interner(std::collections::HashSet<Bytes, foldhash::fast::RandomState>);
 
 impl Interner {
-    fn get(&mut self, s: &str, what: &str) -> Result<Bytes, String> {
+    fn get(&mut self, s: &str, what: &str) -> Result<Bytes, BadHeaderValue> {
         if let Some(v) = self.0.get(s.as_bytes()) {
             return Ok(v.clone());
         }
@@ -342,9 +383,9 @@ impl Interner {
     }
 }
 
-fn header_value(s: &str, what: &str) -> Result<Bytes, String> {
+fn header_value(s: &str, what: &str) -> Result<Bytes, BadHeaderValue> {
     if s.is_empty() || s.len() > 1024 || !s.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
-        return Err(format!("{what} {s:?} must be 1 to 1024 printable ASCII characters"));
+        return Err(BadHeaderValue { what: what.to_owned(), value: s.to_owned() });
     }
     // Printable ASCII is a valid header value; clones share one allocation.
     Ok(Bytes::copy_from_slice(s.as_bytes()))
@@ -352,14 +393,14 @@ fn header_value(s: &str, what: &str) -> Result<Bytes, String> {
 
 /// The key in `pem` (SubjectPublicKeyInfo), parsed for `alg` (`jsonwebtoken` reads the
 /// PEM; aws-lc checks the key once, e.g. that an EC point is on the curve).
-fn parse_key(alg: Alg, pem: &str) -> Result<ParsedPublicKey, String> {
+fn parse_key(alg: Alg, pem: &str) -> Result<ParsedPublicKey, BadKey> {
     let (key, verification): (_, &'static dyn aws_lc_rs::signature::VerificationAlgorithm) = match alg {
         Alg::ES256 => (DecodingKey::from_ec_pem(pem.as_bytes()), &ECDSA_P256_SHA256_FIXED),
         Alg::RS256 => (DecodingKey::from_rsa_pem(pem.as_bytes()), &RSA_PKCS1_2048_8192_SHA256),
     };
-    let key = key.map_err(|e| e.to_string())?;
-    let bytes = key.try_get_as_bytes().map_err(|e| e.to_string())?;
-    ParsedPublicKey::new(verification, bytes).map_err(|e| e.to_string())
+    let key = key?;
+    let bytes = key.try_get_as_bytes()?;
+    Ok(ParsedPublicKey::new(verification, bytes)?)
 }
 
 impl CredentialStore {

@@ -3,10 +3,9 @@
 //! reach an `https://` control plane with, trusting the CA they are given
 //! (`--control-ca`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
@@ -17,38 +16,106 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 /// A client of a control plane, on `http://` or (with a CA) `https://`.
 pub type ControlClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
+/// Why TLS could not be set up; `{:#}` through `anyhow` shows the cause as well.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A certificate file could not be read.
+    #[error("cannot read certificates from {}", path.display())]
+    ReadCerts {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: rustls_pki_types::pem::Error,
+    },
+    /// A certificate does not parse.
+    #[error("bad certificate in {what}")]
+    BadCert {
+        /// The file or text it is in.
+        what: String,
+        /// Why.
+        source: rustls_pki_types::pem::Error,
+    },
+    /// There is no certificate.
+    #[error("{what}: no certificates")]
+    NoCerts {
+        /// The file or text.
+        what: String,
+    },
+    /// A private key file could not be read.
+    #[error("cannot read a private key from {}", path.display())]
+    ReadKey {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: rustls_pki_types::pem::Error,
+    },
+    /// A CA certificate parses but cannot be a trust root.
+    #[error("unusable CA certificate in {what}")]
+    UnusableCa {
+        /// The file or text it is in.
+        what: String,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// A CA file could not be read.
+    #[error("cannot read {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The provider offers no safe protocol version.
+    #[error("TLS protocol versions")]
+    Versions(#[source] rustls::Error),
+    /// The client CA cannot verify clients.
+    #[error("client CA {}", path.display())]
+    ClientCa {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: rustls::server::VerifierBuilderError,
+    },
+    /// The certificate does not match the key.
+    #[error("certificate and key do not form a valid identity")]
+    Identity(#[source] rustls::Error),
+}
+
 /// The one crypto provider of both planes (aws-lc-rs).
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
 }
 
 /// A certificate chain and its private key from PEM files.
-pub fn identity(cert: &Path, key: &Path) -> anyhow::Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
+pub fn identity(cert: &Path, key: &Path) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
     let certs = CertificateDer::pem_file_iter(cert)
-        .with_context(|| format!("cannot read certificates from {}", cert.display()))?
+        .map_err(|source| TlsError::ReadCerts { path: cert.to_owned(), source })?
         .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("bad certificate in {}", cert.display()))?;
-    anyhow::ensure!(!certs.is_empty(), "{}: no certificates", cert.display());
-    let key = PrivateKeyDer::from_pem_file(key)
-        .with_context(|| format!("cannot read a private key from {}", key.display()))?;
+        .map_err(|source| TlsError::BadCert { what: cert.display().to_string(), source })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCerts { what: cert.display().to_string() });
+    }
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::ReadKey { path: key.to_owned(), source })?;
     Ok((certs, key))
 }
 
 /// The certificates of PEM text `pem` (named `what` in errors) as trust roots.
-pub fn roots_pem(pem: &[u8], what: &str) -> anyhow::Result<rustls::RootCertStore> {
+pub fn roots_pem(pem: &[u8], what: &str) -> Result<rustls::RootCertStore, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_slice_iter(pem) {
         roots
-            .add(cert.with_context(|| format!("bad certificate in {what}"))?)
-            .with_context(|| format!("unusable CA certificate in {what}"))?;
+            .add(cert.map_err(|source| TlsError::BadCert { what: what.to_owned(), source })?)
+            .map_err(|source| TlsError::UnusableCa { what: what.to_owned(), source })?;
     }
-    anyhow::ensure!(!roots.is_empty(), "{what}: no certificates");
+    if roots.is_empty() {
+        return Err(TlsError::NoCerts { what: what.to_owned() });
+    }
     Ok(roots)
 }
 
 /// The certificates of the PEM file `ca` as trust roots.
-pub fn roots(ca: &Path) -> anyhow::Result<rustls::RootCertStore> {
-    let pem = std::fs::read(ca).with_context(|| format!("cannot read {}", ca.display()))?;
+pub fn roots(ca: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let pem = std::fs::read(ca).map_err(|source| TlsError::Read { path: ca.to_owned(), source })?;
     roots_pem(&pem, &ca.display().to_string())
 }
 
@@ -59,37 +126,36 @@ pub fn server_config(
     key: &Path,
     alpn: &[&[u8]],
     client_ca: Option<&Path>,
-) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let (certs, key) = identity(cert, key)?;
     let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .context("TLS protocol versions")?;
+        .map_err(TlsError::Versions)?;
     let builder = match client_ca {
         None => builder.with_no_client_auth(),
         Some(ca) => {
             let verifier =
                 rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots(ca)?), provider())
                     .build()
-                    .with_context(|| format!("client CA {}", ca.display()))?;
+                    .map_err(|source| TlsError::ClientCa { path: ca.to_owned(), source })?;
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config =
-        builder.with_single_cert(certs, key).context("certificate and key do not form a valid identity")?;
+    let mut config = builder.with_single_cert(certs, key).map_err(TlsError::Identity)?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(config))
 }
 
 /// A client trusting the certificates in `ca` (PEM) for `https://` URLs; without one,
 /// `https://` URLs are refused at connect (there is no implicit trust store).
-pub fn client(ca: Option<&Path>) -> anyhow::Result<ControlClient> {
+pub fn client(ca: Option<&Path>) -> Result<ControlClient, TlsError> {
     let roots = match ca {
         Some(ca) => roots(ca)?,
         None => rustls::RootCertStore::empty(),
     };
     let config = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .context("TLS protocol versions")?
+        .map_err(TlsError::Versions)?
         .with_root_certificates(roots)
         .with_no_client_auth();
     let https =

@@ -40,13 +40,18 @@ pub const MAX_SEQ: u64 = 1 << 48;
 /// The usage stream's Kafka topic unless told otherwise.
 pub const KAFKA_TOPIC: &str = "postern.usage";
 
+/// A librdkafka setting that is not `key=value`, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("Kafka setting {0:?}: give key=value")]
+pub struct KafkaOptionError(pub String);
+
 /// Parses `key=value` librdkafka settings (`--usage-kafka-option`).
-pub fn kafka_options(options: &[String]) -> Result<Vec<(String, String)>, String> {
+pub fn kafka_options(options: &[String]) -> Result<Vec<(String, String)>, KafkaOptionError> {
     options
         .iter()
         .map(|o| match o.split_once('=') {
             Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
-            _ => Err(format!("Kafka setting {o:?}: give key=value")),
+            _ => Err(KafkaOptionError(o.clone())),
         })
         .collect()
 }
@@ -340,6 +345,55 @@ pub struct CounterRow {
     pub status: [u64; 5],
 }
 
+/// Why a node's counters of a period were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("counters of node {node:?} for {period:?}: {problem}")]
+pub struct CountersError {
+    /// The node they claim.
+    pub node: String,
+    /// The period they claim.
+    pub period: String,
+    /// What is wrong.
+    pub problem: CountersProblem,
+}
+
+/// What is wrong with a node's counters.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CountersProblem {
+    /// The node's name is empty or too long.
+    #[error("node must be 1 to 128 bytes")]
+    Node,
+    /// The period is not a month.
+    #[error("period must be YYYY-MM")]
+    Period,
+    /// `through` is out of range.
+    #[error("through is the last number spooled, 1 to {max}", max = MAX_SEQ)]
+    Through,
+    /// Too many rows.
+    #[error("{0} rows, at most {max}", max = MAX_ROWS)]
+    Rows(usize),
+    /// A row's caller or product is empty or too long.
+    #[error("row {0}: caller and product are 1 to 256 bytes")]
+    Names(usize),
+    /// A row's counts overflow.
+    #[error("row {0}: counts overflow")]
+    Overflow(usize),
+    /// A row is out of order or repeated.
+    #[error("row {0}: rows are sorted by kind, caller and product, each once")]
+    Order(usize),
+    /// Too many unavailable runs.
+    #[error("{0} unavailable runs, at most {max}", max = MAX_UNAVAILABLE)]
+    Runs(usize),
+    /// An unavailable run is out of range.
+    #[error("unavailable run {from}..{to}: give 1 <= from <= to <= through")]
+    Run {
+        /// Its first number.
+        from: u64,
+        /// Its last number.
+        to: u64,
+    },
+}
+
 impl NodeCounters {
     /// All calls counted.
     pub fn calls(&self) -> u64 {
@@ -347,41 +401,41 @@ impl NodeCounters {
     }
 
     /// Checks what JSON cannot: the names, the period, the order of rows and runs.
-    pub fn check(&self) -> Result<(), String> {
-        let what = format!("counters of node {:?} for {:?}", self.node, self.period);
+    pub fn check(&self) -> Result<(), CountersError> {
+        let refuse = |problem| Err(CountersError { node: self.node.clone(), period: self.period.clone(), problem });
         if self.node.is_empty() || self.node.len() > 128 {
-            return Err(format!("{what}: node must be 1 to 128 bytes"));
+            return refuse(CountersProblem::Node);
         }
         if parse_month(&self.period).is_none() {
-            return Err(format!("{what}: period must be YYYY-MM"));
+            return refuse(CountersProblem::Period);
         }
         if self.through == 0 || self.through > MAX_SEQ {
-            return Err(format!("{what}: through is the last number spooled, 1 to {MAX_SEQ}"));
+            return refuse(CountersProblem::Through);
         }
         if self.rows.len() > MAX_ROWS {
-            return Err(format!("{what}: {} rows, at most {MAX_ROWS}", self.rows.len()));
+            return refuse(CountersProblem::Rows(self.rows.len()));
         }
         for (i, r) in self.rows.iter().enumerate() {
             if r.caller.is_empty() || r.caller.len() > 256 || r.product.len() > 256 {
-                return Err(format!("{what}: row {i}: caller and product are 1 to 256 bytes"));
+                return refuse(CountersProblem::Names(i));
             }
             if r.status.iter().try_fold(0u64, |a, &n| a.checked_add(n)).is_none() {
-                return Err(format!("{what}: row {i}: counts overflow"));
+                return refuse(CountersProblem::Overflow(i));
             }
             if i > 0 {
                 let p = &self.rows[i - 1];
                 if (p.kind, &p.caller, &p.product) >= (r.kind, &r.caller, &r.product) {
-                    return Err(format!("{what}: row {i}: rows are sorted by kind, caller and product, each once"));
+                    return refuse(CountersProblem::Order(i));
                 }
             }
         }
         if self.unavailable.len() > MAX_UNAVAILABLE {
-            return Err(format!("{what}: {} unavailable runs, at most {MAX_UNAVAILABLE}", self.unavailable.len()));
+            return refuse(CountersProblem::Runs(self.unavailable.len()));
         }
-        if let Some((from, to)) =
+        if let Some(&(from, to)) =
             self.unavailable.iter().find(|(from, to)| *from == 0 || from > to || *to > self.through)
         {
-            return Err(format!("{what}: unavailable run {from}..{to}: give 1 <= from <= to <= through"));
+            return refuse(CountersProblem::Run { from, to });
         }
         Ok(())
     }
@@ -454,15 +508,26 @@ pub enum Anchor {
     EverySeconds(u64),
 }
 
+/// Why an anchor was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum AnchorError {
+    /// A billing day outside 1 to 28.
+    #[error("billing day {0}: give 1 to 28")]
+    BillingDay(u8),
+    /// A period that is not a whole number of windows.
+    #[error("period of {0} s: give a multiple of {window} s", window = WINDOW_S)]
+    Period(u64),
+}
+
 impl Anchor {
     /// Checks the anchor's number.
-    pub fn check(self) -> Result<(), String> {
+    pub fn check(self) -> Result<(), AnchorError> {
         match self {
             Anchor::UtcMonth => Ok(()),
             Anchor::BillingDay(d) if (1..=28).contains(&d) => Ok(()),
-            Anchor::BillingDay(d) => Err(format!("billing day {d}: give 1 to 28")),
+            Anchor::BillingDay(d) => Err(AnchorError::BillingDay(d)),
             Anchor::EverySeconds(s) if s >= WINDOW_S && s.is_multiple_of(WINDOW_S) => Ok(()),
-            Anchor::EverySeconds(s) => Err(format!("period of {s} s: give a multiple of {WINDOW_S} s")),
+            Anchor::EverySeconds(s) => Err(AnchorError::Period(s)),
         }
     }
 
@@ -613,19 +678,19 @@ mod tests {
         assert_eq!(serde_json::from_str::<NodeCounters>(&json).ok(), Some(c.clone()));
         let mut bad = c.clone();
         bad.rows.swap(0, 1);
-        assert!(bad.check().unwrap_err().contains("sorted"));
+        assert!(bad.check().unwrap_err().to_string().contains("sorted"));
         let mut bad = c.clone();
         bad.rows.push(row("b", 1));
         assert!(bad.check().is_err());
         let mut bad = c.clone();
         bad.period = "2026-13".into();
-        assert!(bad.check().unwrap_err().contains("YYYY-MM"));
+        assert!(bad.check().unwrap_err().to_string().contains("YYYY-MM"));
         let mut bad = c.clone();
         bad.unavailable = vec![(5, 4)];
         assert!(bad.check().is_err());
         let mut bad = c;
         bad.rows[0].status = [u64::MAX, 1, 0, 0, 0];
-        assert!(bad.check().unwrap_err().contains("overflow"));
+        assert!(bad.check().unwrap_err().to_string().contains("overflow"));
     }
 
     #[test]

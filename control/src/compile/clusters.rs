@@ -65,7 +65,7 @@ pub(crate) fn cluster_tls(
         }
     };
     if let Err(e) = postern_model::tls::roots_pem(&pem, &doc.ca) {
-        cx.error(file, at, format!("{e:#}"), owner);
+        cx.error(file, at, format!("{:#}", anyhow::Error::from(e)), owner);
         return None;
     }
     if let Some(name) = &doc.server_name

@@ -89,7 +89,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
                     cx.error(&plans_path, format!("plans.{name}.quota.monthly"), "give at least 1 call", None);
                 }
                 if let Err(e) = q.anchor() {
-                    cx.error(&plans_path, format!("plans.{name}.quota.anchor"), e, None);
+                    cx.error(&plans_path, format!("plans.{name}.quota.anchor"), e.to_string(), None);
                 }
             }
             if let Some(p) = &plan.priority {

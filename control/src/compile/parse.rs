@@ -7,16 +7,30 @@ use std::time::{Duration, UNIX_EPOCH};
 use postern_model::{MAX_TIMEOUT_MS, Priority};
 
 use super::context::Ctx;
-use crate::config::parse_duration;
+use crate::config::{DurationError, parse_duration};
 
-pub(crate) fn parse_ms(s: &str) -> Result<u64, String> {
+/// Why a text is not a timeout.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum TimeoutError {
+    /// Not a duration.
+    #[error(transparent)]
+    Duration(#[from] DurationError),
+    /// Zero.
+    #[error("must be more than 0")]
+    Zero,
+    /// Over the platform's maximum.
+    #[error("{0} is over the platform maximum of 30s")]
+    OverMax(String),
+}
+
+pub(crate) fn parse_ms(s: &str) -> Result<u64, TimeoutError> {
     let d = parse_duration(s)?;
     let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     if ms == 0 {
-        return Err("must be more than 0".into());
+        return Err(TimeoutError::Zero);
     }
     if ms > MAX_TIMEOUT_MS {
-        return Err(format!("{s} is over the platform maximum of 30s"));
+        return Err(TimeoutError::OverMax(s.to_owned()));
     }
     Ok(ms)
 }
@@ -44,7 +58,7 @@ pub(crate) fn ranged_ms(
             None
         }
         Err(e) => {
-            cx.error(file, field, e, owner);
+            cx.error(file, field, e.to_string(), owner);
             None
         }
     }
@@ -76,10 +90,21 @@ pub(crate) fn priority(cx: &mut Ctx, file: &Path, field: String, v: &str, owner:
     p
 }
 
-pub(crate) fn parse_date(s: &str) -> Result<i64, String> {
-    let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is not an RFC 3339 date: {e}"))?;
+/// Why a text is not a date.
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum DateError {
+    /// Not RFC 3339.
+    #[error("{text:?} is not an RFC 3339 date: {source}")]
+    Format { text: String, source: humantime::TimestampError },
+    /// Past what a timestamp holds.
+    #[error("{0:?} is out of range")]
+    Range(String),
+}
+
+pub(crate) fn parse_date(s: &str) -> Result<i64, DateError> {
+    let t = humantime::parse_rfc3339_weak(s).map_err(|source| DateError::Format { text: s.to_owned(), source })?;
     let secs = t.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
-    i64::try_from(secs).map_err(|_| format!("{s:?} is out of range"))
+    i64::try_from(secs).map_err(|_| DateError::Range(s.to_owned()))
 }
 
 pub(crate) fn valid_name(s: &str) -> bool {

@@ -76,7 +76,7 @@ pub(crate) fn compile_route(
     if path.starts_with('/')
         && let Err(e) = postern_model::path::check_canonical(&literal, &cx.paths)
     {
-        cx.error(file, format!("{field}.match.path.value"), e, owner);
+        cx.error(file, format!("{field}.match.path.value"), e.to_string(), owner);
     }
     if let Err(e) = RouterBuilder::<()>::check(&spec) {
         let sub = match e {
@@ -146,7 +146,7 @@ pub(crate) fn compile_route(
     let ms = |sub: &str, v: &str, cx: &mut Ctx| match parse_ms(v) {
         Ok(ms) => ms,
         Err(e) => {
-            cx.error(file, format!("{field}.timeouts.{sub}"), e, owner);
+            cx.error(file, format!("{field}.timeouts.{sub}"), e.to_string(), owner);
             0
         }
     };
@@ -223,7 +223,7 @@ pub(crate) fn compile_route(
         && !(p.is_empty() && matches!(rewrite, Some(PathRewrite::ReplacePrefix(_))))
         && let Err(e) = postern_model::path::check_canonical(p, &cx.paths)
     {
-        cx.error(file, format!("{field}.rewrite"), e, owner);
+        cx.error(file, format!("{field}.rewrite"), e.to_string(), owner);
     }
 
     let mut filters = Vec::new();
@@ -267,7 +267,7 @@ pub(crate) fn compile_route(
             v.as_ref().and_then(|s| match parse_date(s) {
                 Ok(t) => Some(t),
                 Err(e) => {
-                    cx.error(file, format!("{field}.deprecation.{sub}"), e, owner);
+                    cx.error(file, format!("{field}.deprecation.{sub}"), e.to_string(), owner);
                     None
                 }
             })
@@ -425,14 +425,14 @@ fn route_sample(
     routers: &HashMap<Pool, postern_router::Router<usize>>,
     routes: &[Route],
     paths: &PathPolicy,
-) -> Result<(), String> {
+) -> Result<(), SampleError> {
     let r = &sample.request;
-    let method =
-        http::Method::from_bytes(r.method.as_bytes()).map_err(|_| format!("{:?} is not a method", r.method))?;
+    let method = http::Method::from_bytes(r.method.as_bytes()).map_err(|_| SampleError::Method(r.method.clone()))?;
     let mut headers = http::HeaderMap::new();
     for (k, v) in &r.headers {
-        let name = http::HeaderName::from_bytes(k.as_bytes()).map_err(|_| format!("{k:?} is not a header name"))?;
-        let value = http::HeaderValue::from_str(v).map_err(|_| format!("header {k}: {v:?} is not a header value"))?;
+        let name = http::HeaderName::from_bytes(k.as_bytes()).map_err(|_| SampleError::HeaderName(k.clone()))?;
+        let value = http::HeaderValue::from_str(v)
+            .map_err(|_| SampleError::HeaderValue { name: k.clone(), value: v.clone() })?;
         headers.insert(name, value);
     }
     let host = postern_router::strip_port(r.host.as_deref().unwrap_or("sample.invalid")).to_ascii_lowercase();
@@ -455,7 +455,23 @@ fn route_sample(
     let want = match (&sample.expect.route, sample.expect.status) {
         (Some(route), None) => Ok(if route.contains('/') { route.clone() } else { format!("{team}/{route}") }),
         (None, Some(s @ (400 | 404 | 405))) => Err(s),
-        _ => return Err("expect gives either route or status (400, 404 or 405)".to_owned()),
+        _ => return Err(SampleError::Expect),
     };
-    if got == want { Ok(()) } else { Err(format!("expected {}, got {}", describe(&want), describe(&got))) }
+    if got == want { Ok(()) } else { Err(SampleError::Routed { want: describe(&want), got: describe(&got) }) }
+}
+
+/// Why a saved sample request fails.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum SampleError {
+    #[error("{0:?} is not a method")]
+    Method(String),
+    #[error("{0:?} is not a header name")]
+    HeaderName(String),
+    #[error("header {name}: {value:?} is not a header value")]
+    HeaderValue { name: String, value: String },
+    #[error("expect gives either route or status (400, 404 or 405)")]
+    Expect,
+    /// It routes elsewhere than expected.
+    #[error("expected {want}, got {got}")]
+    Routed { want: String, got: String },
 }

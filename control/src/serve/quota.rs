@@ -41,7 +41,7 @@ impl QuotaService {
 impl Server {
     /// Who is on which quota, as the published plans and credentials say; rebuilt when
     /// either head moves.
-    pub(super) async fn quotas(&self) -> Result<Arc<Quotas>, String> {
+    pub(super) async fn quotas(&self) -> Result<Arc<Quotas>, QuotaError> {
         let (s, c, _) = *self.heads.borrow();
         if let Ok(slot) = self.quota.quotas.lock()
             && let Some((at, q)) = slot.as_ref()
@@ -49,22 +49,21 @@ impl Server {
         {
             return Ok(q.clone());
         }
-        let snapshot = self.store.head(Lane::Snapshot).await.map_err(|e| e.to_string())?;
-        let creds = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())?;
+        let snapshot = self.store.head(Lane::Snapshot).await.map_err(QuotaError::Store)?;
+        let creds = self.store.head(Lane::Credentials).await.map_err(QuotaError::Store)?;
         let at = (snapshot.as_ref().map_or(0, |v| v.number), creds.as_ref().map_or(0, |v| v.number));
-        let built = tokio::task::spawn_blocking(move || -> Result<Quotas, String> {
+        let built = tokio::task::spawn_blocking(move || -> Result<Quotas, QuotaError> {
             let plans = match &snapshot {
-                Some(v) => postern_model::SnapshotFile::open(&v.bytes).map_err(|e| e.to_string())?.1.plans,
+                Some(v) => postern_model::SnapshotFile::open(&v.bytes)?.1.plans,
                 None => return Ok(Quotas::default()),
             };
             let creds = match &creds {
-                Some(v) => Credentials::open(&v.bytes).map_err(|e| e.to_string())?.1,
+                Some(v) => Credentials::open(&v.bytes)?.1,
                 None => Credentials::empty(),
             };
             Ok(Quotas::new(&plans, &creds))
         })
-        .await
-        .map_err(|e| e.to_string())??;
+        .await??;
         let built = Arc::new(built);
         if let Ok(mut slot) = self.quota.quotas.lock() {
             *slot = Some((at, built.clone()));
@@ -74,22 +73,22 @@ impl Server {
 
     /// Publishes the usage store's live over-quota flags on the credentials lane when the
     /// head carries others.
-    pub(super) async fn publish_flags(&self) -> Result<(), String> {
+    pub(super) async fn publish_flags(&self) -> Result<(), QuotaError> {
         self.publish_flags_as("quota-service", "quota").await.map(|_| ())
     }
 
     /// [`Server::publish_flags`], audited as `who` doing `action`; the credentials version
     /// that carries the flags as they are now (a new one if they changed).
-    pub(super) async fn publish_flags_as(&self, who: &str, action: &str) -> Result<u64, String> {
+    pub(super) async fn publish_flags_as(&self, who: &str, action: &str) -> Result<u64, QuotaError> {
         let Some(usage) = self.usage.clone() else { return Ok(0) };
         let now = unix_now();
         let live = blocking(&usage, move |u| u.live_flags(now)).await?;
         let one = self.publishing.lock().await;
         // No credentials published yet: the first version takes the flags.
-        let Some(base) = self.store.head(Lane::Credentials).await.map_err(|e| e.to_string())? else {
+        let Some(base) = self.store.head(Lane::Credentials).await.map_err(QuotaError::Store)? else {
             return Ok(0);
         };
-        let (_, was) = Credentials::open(&base.bytes).map_err(|e| e.to_string())?;
+        let (_, was) = Credentials::open(&base.bytes)?;
         let mut held: Vec<QuotaFlag> = was.over_quota.iter().filter(|f| f.until > now).cloned().collect();
         held.sort();
         if held == live {
@@ -98,12 +97,12 @@ impl Server {
         let added: Vec<QuotaFlag> = live.iter().filter(|f| !was.over_quota.contains(f)).cloned().collect();
         let mut creds = was.clone();
         creds.over_quota = live;
-        let content = serde_json::value::to_raw_value(&creds).map_err(|e| e.to_string())?;
+        let content = serde_json::value::to_raw_value(&creds)?;
         let note =
             added.iter().map(|f| format!("{} {} on {}", f.kind.as_str(), f.caller, f.product)).collect::<Vec<_>>();
         let note = format!("over quota: {}", if note.is_empty() { "flags lifted".to_owned() } else { note.join(", ") });
         let change = Change { kind: Lane::Credentials, content: &content, who, action, note: &note };
-        let (v, changed) = self.store.publish(&change).await.map_err(|e| e.to_string())?;
+        let (v, changed) = self.store.publish(&change).await.map_err(QuotaError::Store)?;
         if changed {
             let delta = CredentialsDelta { over_quota: added, ..CredentialsDelta::between(base.number, v.number) };
             self.offer_delta(&base, &v, delta, &was, &creds);
@@ -238,29 +237,60 @@ fn envelope(event: &QuotaEvent) -> serde_json::Value {
     })
 }
 
-async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &QuotaEvent) -> Result<(), String> {
+async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &QuotaEvent) -> Result<(), QuotaError> {
     let body = Bytes::from(envelope(event).to_string());
-    let req = Request::post(url)
-        .header(http::header::CONTENT_TYPE, "application/cloudevents+json")
-        .body(Full::new(body))
-        .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
-        .await
-        .map_err(|_| "no answer in 10 s".to_owned())?
-        .map_err(|e| e.to_string())?;
+    let req =
+        Request::post(url).header(http::header::CONTENT_TYPE, "application/cloudevents+json").body(Full::new(body))?;
+    let resp =
+        tokio::time::timeout(Duration::from_secs(10), client.request(req)).await.map_err(|_| QuotaError::Timeout)??;
     let status = resp.status();
     let _ = resp.into_body().collect().await;
-    if status.is_success() { Ok(()) } else { Err(format!("answered {}", status.as_u16())) }
+    if status.is_success() { Ok(()) } else { Err(QuotaError::Answered(status.as_u16())) }
+}
+
+/// Why the quota service could not do a part of its work (it is tried again).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum QuotaError {
+    /// The control plane's store (its head or a publish).
+    #[error("{0}")]
+    Store(anyhow::Error),
+    /// A published version does not open.
+    #[error("{0}")]
+    Sealed(#[from] postern_model::SnapshotError),
+    /// A document does not serialise.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// The blocking task did not finish.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+    /// The usage store.
+    #[error("usage store: {0}")]
+    Usage(#[source] crate::usage::DbError),
+    /// The usage store's workers.
+    #[error("{0}")]
+    Worker(#[from] crate::usage::WorkerError),
+    /// The webhook's request cannot be built.
+    #[error("{0}")]
+    Request(#[from] http::Error),
+    /// The webhook is not reached.
+    #[error("{0}")]
+    Send(#[from] hyper_util::client::legacy::Error),
+    /// The webhook does not answer in time.
+    #[error("no answer in 10 s")]
+    Timeout,
+    /// The webhook refuses the event.
+    #[error("answered {0}")]
+    Answered(u16),
 }
 
 async fn blocking<T: Send + 'static>(
     usage: &Arc<UsageStore>,
     f: impl FnOnce(&UsageStore) -> Result<T, crate::usage::DbError> + Send + 'static,
-) -> Result<T, String> {
+) -> Result<T, QuotaError> {
     let usage = usage.clone();
     match usage.run(f).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("usage store: {e}")),
-        Err(e) => Err(e.to_string()),
+        Ok(Err(e)) => Err(QuotaError::Usage(e)),
+        Err(e) => Err(QuotaError::Worker(e)),
     }
 }

@@ -55,11 +55,16 @@ impl Role {
     }
 }
 
-impl TryFrom<String> for Role {
-    type Error = String;
+/// A role that is none of the four, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("role {0:?} must be platform, node:<name>, node or team:<name>")]
+pub struct UnknownRole(pub String);
 
-    fn try_from(s: String) -> Result<Role, String> {
-        Role::parse(&s).ok_or_else(|| format!("role {s:?} must be platform, node:<name>, node or team:<name>"))
+impl TryFrom<String> for Role {
+    type Error = UnknownRole;
+
+    fn try_from(s: String) -> Result<Role, UnknownRole> {
+        Role::parse(&s).ok_or(UnknownRole(s))
     }
 }
 

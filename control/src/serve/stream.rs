@@ -108,20 +108,45 @@ pub(super) async fn consumer(kafka: &UsageKafka) -> anyhow::Result<StreamConsume
 }
 
 /// One message, read: a checked window part, or why it is not one.
-fn read(m: &rdkafka::message::BorrowedMessage<'_>) -> Result<Window, String> {
+fn read(m: &rdkafka::message::BorrowedMessage<'_>) -> Result<Window, Unreadable> {
     let at = format!("{}[{}]@{}", m.topic(), m.partition(), m.offset());
-    let body = m.payload().ok_or_else(|| format!("{at}: no body"))?;
-    let w: Window = serde_json::from_slice(body).map_err(|e| format!("{at}: not a usage window: {e}"))?;
-    w.check().map_err(|e| format!("{at}: {e}"))?;
+    let unreadable = |why| Unreadable { at: at.clone(), why };
+    let body = m.payload().ok_or_else(|| unreadable(Why::NoBody))?;
+    let w: Window = serde_json::from_slice(body).map_err(|e| unreadable(Why::NotWindow(e)))?;
+    w.check().map_err(|e| unreadable(Why::Refused(e)))?;
     let id = m.headers().and_then(|h| {
         h.iter().find(|h| h.key == "ce_id").and_then(|h| h.value).map(|v| String::from_utf8_lossy(v).into_owned())
     });
     let want = format!("{}/{}/{}", w.node, w.seq, w.part);
     match id {
         Some(id) if id == want => Ok(w),
-        Some(id) => Err(format!("{at}: ce_id {id} names another window than its body ({want})")),
-        None => Err(format!("{at}: no ce_id header")),
+        Some(id) => Err(unreadable(Why::OtherId { id, want })),
+        None => Err(unreadable(Why::NoId)),
     }
+}
+
+/// A message on the usage stream that is not a usage window part, and where it is.
+#[derive(Debug, thiserror::Error)]
+#[error("{at}: {why}")]
+struct Unreadable {
+    /// `topic[partition]@offset`.
+    at: String,
+    why: Why,
+}
+
+/// What is wrong with an [`Unreadable`] message.
+#[derive(Debug, thiserror::Error)]
+enum Why {
+    #[error("no body")]
+    NoBody,
+    #[error("not a usage window: {0}")]
+    NotWindow(serde_json::Error),
+    #[error("{0}")]
+    Refused(postern_model::usage::WindowError),
+    #[error("ce_id {id} names another window than its body ({want})")]
+    OtherId { id: String, want: String },
+    #[error("no ce_id header")]
+    NoId,
 }
 
 impl Server {

@@ -91,7 +91,7 @@ impl Server {
             return error(StatusCode::BAD_REQUEST, format!("counters of node {} sent for node {node}", counters.node));
         }
         if let Err(e) = counters.check() {
-            return error(StatusCode::BAD_REQUEST, e);
+            return error(StatusCode::BAD_REQUEST, e.to_string());
         }
         let now = postern_model::disk::unix_now();
         match store.run(move |s| s.put_counters(&counters, now)).await {
@@ -147,7 +147,7 @@ impl Server {
         }
         let version = match self.publish_flags_as(who, "quota-lift").await {
             Ok(v) => v,
-            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         };
         let (acked, stale) = self.wait_acks(version, wait).await;
         json(

@@ -12,7 +12,6 @@
 //! dot segment. A path already in canonical form is returned borrowed, after one scan.
 
 use alloc::borrow::Cow;
-use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 
@@ -304,13 +303,45 @@ fn push_escape(out: &mut Vec<u8>, v: u8) {
 
 /// Whether `path` is canonical under `policy`: what a static rewrite, a route's match and
 /// a filter's path edit must be.
-pub fn check_canonical(path: &str, policy: &PathPolicy) -> Result<(), String> {
+pub fn check_canonical(path: &str, policy: &PathPolicy) -> Result<(), NotCanonical> {
     match canonical(path, policy) {
         Ok(Cow::Borrowed(_)) => Ok(()),
-        Ok(Cow::Owned(c)) => Err(format!("{path:?} is not a canonical path (its canonical form is {c:?})")),
-        Err(e) => Err(format!("{path:?}: {e}")),
+        Ok(Cow::Owned(canonical)) => Err(NotCanonical::Differs { path: path.into(), canonical }),
+        Err(error) => Err(NotCanonical::Invalid { path: path.into(), error }),
     }
 }
+
+/// Why a path is not canonical.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotCanonical {
+    /// Its canonical form is another.
+    Differs {
+        /// The path.
+        path: String,
+        /// Its canonical form.
+        canonical: String,
+    },
+    /// It has no canonical form under the policy.
+    Invalid {
+        /// The path.
+        path: String,
+        /// Why.
+        error: PathError,
+    },
+}
+
+impl core::fmt::Display for NotCanonical {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            NotCanonical::Differs { path, canonical } => {
+                write!(f, "{path:?} is not a canonical path (its canonical form is {canonical:?})")
+            }
+            NotCanonical::Invalid { path, error } => write!(f, "{path:?}: {error}"),
+        }
+    }
+}
+
+impl core::error::Error for NotCanonical {}
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -397,7 +428,7 @@ mod tests {
     #[test]
     fn check_canonical_names_the_canonical_form() {
         assert!(check_canonical("/a/b", &PathPolicy::default()).is_ok());
-        let e = check_canonical("/a/%74", &PathPolicy::default()).unwrap_err();
+        let e = format!("{}", check_canonical("/a/%74", &PathPolicy::default()).unwrap_err());
         assert!(e.contains("\"/a/t\""), "{e}");
         assert!(check_canonical("/a//b", &PathPolicy::default()).is_err());
     }

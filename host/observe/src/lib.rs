@@ -14,5 +14,5 @@ mod drain;
 pub mod log;
 pub mod trace;
 
-pub use log::{AccessLog, LineSink, LogSettings, LogStats, Record};
-pub use trace::{TraceSettings, TraceStats, Tracer};
+pub use log::{AccessLog, FractionError, LineRefused, LineSink, LogSettings, LogStats, Record};
+pub use trace::{EndpointError, TraceError, TraceSettings, TraceStats, Tracer};

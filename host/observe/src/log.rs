@@ -47,13 +47,23 @@ impl LogSettings {
     }
 
     /// The success rate as a fraction (`0.01`) in parts per 10,000, or an error.
-    pub fn rate(fraction: f64) -> Result<u32, String> {
+    pub fn rate(fraction: f64) -> Result<u32, FractionError> {
         if !(0.0..=1.0).contains(&fraction) {
-            return Err(format!("{fraction} is not a fraction from 0 to 1"));
+            return Err(FractionError(fraction));
         }
         Ok((fraction * 10_000.0).round() as u32)
     }
 }
+
+/// A sampling rate that is not a fraction from 0 to 1.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("{0} is not a fraction from 0 to 1")]
+pub struct FractionError(pub f64);
+
+/// Why a [`LineSink`] did not take a line (its own queue full, or failed).
+#[derive(Debug, thiserror::Error)]
+#[error("the line was not taken: {0}")]
+pub struct LineRefused(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// Counters of the log, for metrics.
 #[derive(Debug, Default)]
@@ -77,7 +87,7 @@ pub struct LogStats {
 /// Where lines go besides the file (a Kafka topic): called on the log's thread only.
 pub trait LineSink: Send {
     /// Hands one line over, keyed by the caller (or the request id): must not block.
-    fn send(&mut self, key: &str, line: &[u8]) -> Result<(), String>;
+    fn send(&mut self, key: &str, line: &[u8]) -> Result<(), LineRefused>;
     /// Serves the sink's own callbacks; called after every batch and while idle.
     fn poll(&mut self);
     /// Waits up to `timeout` for lines handed over to leave, at shutdown.
@@ -536,7 +546,7 @@ mod tests {
     struct Collect(Arc<Mutex<Vec<(String, String)>>>);
 
     impl LineSink for Collect {
-        fn send(&mut self, key: &str, line: &[u8]) -> Result<(), String> {
+        fn send(&mut self, key: &str, line: &[u8]) -> Result<(), LineRefused> {
             self.0.lock().unwrap().push((key.to_owned(), String::from_utf8_lossy(line).into_owned()));
             Ok(())
         }

@@ -62,14 +62,18 @@ impl TraceSettings {
     }
 
     /// The endpoint with the traces path when it was given without one.
-    fn url(&self) -> Result<String, String> {
-        let uri: http::Uri = self.endpoint.parse().map_err(|e| format!("{:?}: {e}", self.endpoint))?;
+    fn url(&self) -> Result<String, EndpointError> {
+        let endpoint = || self.endpoint.clone();
+        let uri: http::Uri = self
+            .endpoint
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| EndpointError::Parse { endpoint: endpoint(), why: e.to_string() })?;
         match uri.scheme_str() {
             Some("http") => {}
-            _ => return Err(format!("{:?}: the collector is reached over plain http://", self.endpoint)),
+            _ => return Err(EndpointError::NotHttp { endpoint: endpoint() }),
         }
         if uri.authority().is_none() {
-            return Err(format!("{:?}: no host", self.endpoint));
+            return Err(EndpointError::NoHost { endpoint: endpoint() });
         }
         Ok(match uri.path() {
             "" | "/" => format!("{}/v1/traces", self.endpoint.trim_end_matches('/')),
@@ -269,12 +273,51 @@ impl std::fmt::Debug for Tracer {
     }
 }
 
+/// An OTLP endpoint the tracer cannot export to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    /// Not a URL.
+    #[error("{endpoint:?}: {why}")]
+    Parse {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Why it does not parse.
+        why: String,
+    },
+    /// Not `http://`.
+    #[error("{endpoint:?}: the collector is reached over plain http://")]
+    NotHttp {
+        /// The endpoint as given.
+        endpoint: String,
+    },
+    /// No host.
+    #[error("{endpoint:?}: no host")]
+    NoHost {
+        /// The endpoint as given.
+        endpoint: String,
+    },
+}
+
+/// Why the tracer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The endpoint is refused.
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    /// The exporter could not be built.
+    #[error("the OTLP exporter: {0}")]
+    Exporter(#[source] opentelemetry_otlp::ExporterBuildError),
+    /// The export thread could not start.
+    #[error("the traces thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
 /// Spans sent in one export at most.
 const BATCH_SPANS: usize = 2048;
 
 impl Tracer {
     /// Builds the exporter (a bad endpoint is refused here) and starts the thread.
-    pub fn start(settings: TraceSettings) -> Result<Arc<Tracer>, String> {
+    pub fn start(settings: TraceSettings) -> Result<Arc<Tracer>, TraceError> {
         let url = settings.url()?;
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(settings.timeout))
@@ -288,7 +331,7 @@ impl Tracer {
             .with_http_client(Blocking(agent))
             .with_retry_policy(opentelemetry_otlp::RetryPolicy::disabled())
             .build()
-            .map_err(|e| format!("the OTLP exporter: {e}"))?;
+            .map_err(TraceError::Exporter)?;
         let resource = Resource::builder_empty()
             .with_service_name(settings.service.clone())
             .with_attributes([KeyValue::new("service.instance.id", settings.instance.clone())])
@@ -300,7 +343,7 @@ impl Tracer {
             stats: TraceStats::default(),
         });
         let worker = tracer.clone();
-        tracer.queue.spawn("traces", move || worker.run(exporter)).map_err(|e| format!("the traces thread: {e}"))?;
+        tracer.queue.spawn("traces", move || worker.run(exporter)).map_err(TraceError::Thread)?;
         Ok(tracer)
     }
 

@@ -394,7 +394,7 @@ impl Clients {
     }
 
     /// The client with this connect timeout and transport, made on first use.
-    pub fn get(&mut self, connect_timeout: Duration, transport: &Transport) -> Result<Client, String> {
+    pub fn get(&mut self, connect_timeout: Duration, transport: &Transport) -> Result<Client, ClientError> {
         let key = (connect_timeout, transport.clone());
         if let Some(c) = self.clients.get(&key) {
             return Ok(c.clone());
@@ -437,12 +437,46 @@ impl Clients {
     }
 }
 
+/// Why a client for a cluster's transport cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The cluster's CA certificates are not usable (shown with their cause).
+    #[error("{}", with_causes(.0))]
+    Roots(postern_model::tls::TlsError),
+    /// The provider offers no safe protocol version.
+    #[error("TLS protocol versions: {0}")]
+    Versions(#[source] rustls::Error),
+    /// The node's client certificate is not usable.
+    #[error("the node's client certificate: {0}")]
+    ClientCert(#[source] rustls::Error),
+    /// The cluster's server name is not a DNS name or address.
+    #[error("server name {name:?}: {source}")]
+    ServerName {
+        /// As configured.
+        name: String,
+        /// Why.
+        source: rustls_pki_types::InvalidDnsNameError,
+    },
+}
+
+/// An error and its causes, `outer: inner: …`.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    out
+}
+
 fn build(
     connect_timeout: Duration,
     transport: &Transport,
     identity: Option<&Identity>,
     conns: &Arc<Conns>,
-) -> Result<Client, String> {
+) -> Result<Client, ClientError> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
@@ -451,24 +485,25 @@ fn build(
     let connector = Counting { inner: connector, conns: conns.clone() };
     let roots = match &transport.tls {
         Some(t) => {
-            postern_model::tls::roots_pem(t.ca_pem.as_bytes(), "the cluster's CA").map_err(|e| format!("{e:#}"))?
+            postern_model::tls::roots_pem(t.ca_pem.as_bytes(), "the cluster's CA").map_err(ClientError::Roots)?
         }
         None => rustls::RootCertStore::empty(),
     };
     let config = rustls::ClientConfig::builder_with_provider(postern_model::tls::provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .map_err(ClientError::Versions)?
         .with_root_certificates(roots);
     let config = match identity {
-        Some(id) if transport.tls.is_some() => config
-            .with_client_auth_cert(id.certs.clone(), id.key.clone_key())
-            .map_err(|e| format!("the node's client certificate: {e}"))?,
+        Some(id) if transport.tls.is_some() => {
+            config.with_client_auth_cert(id.certs.clone(), id.key.clone_key()).map_err(ClientError::ClientCert)?
+        }
         _ => config.with_no_client_auth(),
     };
     let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();
     let builder = match transport.tls.as_ref().and_then(|t| t.server_name.as_deref()) {
         Some(name) => {
-            let name = ServerName::try_from(name.to_owned()).map_err(|e| format!("server name {name:?}: {e}"))?;
+            let name = ServerName::try_from(name.to_owned())
+                .map_err(|source| ClientError::ServerName { name: name.to_owned(), source })?;
             builder.with_server_name_resolver(FixedServerNameResolver::new(name))
         }
         None => builder,

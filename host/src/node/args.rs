@@ -242,23 +242,38 @@ pub struct Args {
     pub trace_sample: f64,
 }
 
+/// A value on the command line that does not parse.
+#[derive(Debug, thiserror::Error)]
+enum ArgError {
+    #[error("{0:?} is not a number")]
+    NotNumber(String),
+    #[error(transparent)]
+    Fraction(#[from] postern_observe::FractionError),
+    #[error("{0:?} is not a size (1GiB, 64MiB, 512KiB, bytes)")]
+    Size(String),
+    #[error("{0:?}: sizes are in KiB, MiB or GiB")]
+    Unit(String),
+    #[error("{0:?} is out of range")]
+    Range(String),
+}
+
 /// A fraction from 0 to 1.
-fn parse_fraction(s: &str) -> Result<f64, String> {
-    let f: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number"))?;
-    postern_observe::LogSettings::rate(f).map(|_| f)
+fn parse_fraction(s: &str) -> Result<f64, ArgError> {
+    let f: f64 = s.trim().parse().map_err(|_| ArgError::NotNumber(s.to_owned()))?;
+    Ok(postern_observe::LogSettings::rate(f).map(|_| f)?)
 }
 
 /// A size: bytes, or a number with `KiB`, `MiB` or `GiB`.
-fn parse_size(s: &str) -> Result<u64, String> {
+fn parse_size(s: &str) -> Result<u64, ArgError> {
     let s = s.trim();
     let (digits, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a size (1GiB, 64MiB, 512KiB, bytes)"))?;
+    let n: u64 = digits.parse().map_err(|_| ArgError::Size(s.to_owned()))?;
     let shift = match unit.trim() {
         "" | "B" => 0,
         "KiB" | "K" | "k" => 10,
         "MiB" | "M" => 20,
         "GiB" | "G" => 30,
-        u => return Err(format!("{u:?}: sizes are in KiB, MiB or GiB")),
+        u => return Err(ArgError::Unit(u.to_owned())),
     };
-    n.checked_mul(1 << shift).filter(|&b| b > 0).ok_or_else(|| format!("{s:?} is out of range"))
+    n.checked_mul(1 << shift).filter(|&b| b > 0).ok_or_else(|| ArgError::Range(s.to_owned()))
 }

@@ -3,7 +3,8 @@
 //! watchdog on each connection (first request within the handshake timeout; closed when
 //! idle).
 
-use std::path::Path;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -52,6 +53,88 @@ impl ConnLimits {
                 address: a.address_share_percent,
             },
         }
+    }
+}
+
+/// The listeners' settings: addresses, TLS, connection caps and trusted hops.
+#[derive(Debug, Clone)]
+pub struct ListenSettings {
+    public: SocketAddr,
+    partner: SocketAddr,
+    admin: SocketAddr,
+    backlog: u32,
+    /// Certificate chain and key (PEM) of both pools.
+    tls: Option<(PathBuf, PathBuf)>,
+    limits: ConnLimits,
+    trusted_hops: Vec<String>,
+    /// Where the bound ports are written.
+    ports_file: Option<PathBuf>,
+}
+
+impl ListenSettings {
+    /// The settings the command line gives.
+    pub fn from_args(a: &Args) -> ListenSettings {
+        ListenSettings {
+            public: a.public,
+            partner: a.partner,
+            admin: a.admin,
+            backlog: a.listen_backlog,
+            tls: a.tls_cert.clone().zip(a.tls_key.clone()),
+            limits: ConnLimits::from_args(a),
+            trusted_hops: a.trusted_hops.clone(),
+            ports_file: a.ports_file.clone(),
+        }
+    }
+
+    /// Loads the TLS identity, binds the three listeners and writes their ports.
+    pub fn bind(self) -> anyhow::Result<Listeners> {
+        use anyhow::Context as _;
+        let tls = self.tls.as_ref().map(|(c, k)| load_tls(c, k)).transpose()?;
+        let listen = |addr: SocketAddr| {
+            postern_model::net::listen(addr, self.backlog).with_context(|| format!("cannot listen on {addr}"))
+        };
+        let (public, partner, admin) = (listen(self.public)?, listen(self.partner)?, listen(self.admin)?);
+        let (pa, pb, ad) = (public.local_addr()?, partner.local_addr()?, admin.local_addr()?);
+        tracing::info!(public = %pa, partner = %pb, admin = %ad, tls = tls.is_some(), "listening");
+        if let Some(p) = &self.ports_file {
+            let json = serde_json::json!({"public": pa.port(), "partner": pb.port(), "admin": ad.port()});
+            postern_model::disk::write_atomic(p, json.to_string().as_bytes())?;
+        }
+        let hops = Arc::new(crate::request::forwarded::Hops::parse(&self.trusted_hops)?);
+        if !hops.is_empty() {
+            tracing::info!(hops = ?self.trusted_hops, "X-Forwarded-For kept from trusted hops");
+        }
+        Ok(Listeners { public, partner, admin, tls, limits: self.limits, hops })
+    }
+}
+
+/// The bound listeners, until their accept loops start.
+pub struct Listeners {
+    public: TcpListener,
+    partner: TcpListener,
+    admin: TcpListener,
+    tls: Option<TlsAcceptor>,
+    limits: ConnLimits,
+    hops: Arc<crate::request::forwarded::Hops>,
+}
+
+impl Listeners {
+    /// Starts the accept loops of both pools and the admin listener, until `stop`.
+    pub fn spawn(self, gw: &Arc<Gateway>, stop: &watch::Receiver<bool>) -> [tokio::task::JoinHandle<()>; 3] {
+        let Listeners { public, partner, admin, tls, limits, hops } = self;
+        [
+            tokio::spawn(accept_loop(
+                gw.clone(),
+                public,
+                Pool::Public,
+                tls.clone(),
+                limits,
+                hops.clone(),
+                stop.clone(),
+            )),
+            tokio::spawn(accept_loop(gw.clone(), partner, Pool::Partner, tls, limits, hops, stop.clone())),
+            tokio::spawn(admin_loop(gw.clone(), admin, stop.clone())),
+        ]
     }
 }
 

@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use anyhow::Context as _;
 use postern_builtin_filters::ratelimit::{Limiter, SHARE_ONE, Touched};
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Value};
@@ -131,6 +132,32 @@ pub struct SyncSettings {
     pub interval: Duration,
     /// This node's name in the fleet.
     pub node_id: String,
+}
+
+impl SyncSettings {
+    /// The settings the command line gives for the node `node_id`; `None` without Redis
+    /// (each node then enforces whole limits on its own).
+    pub fn from_args(args: &crate::node::args::Args, node_id: &str) -> Option<SyncSettings> {
+        if args.ratelimit_redis.is_empty() {
+            return None;
+        }
+        Some(SyncSettings {
+            urls: args.ratelimit_redis.clone(),
+            cluster: args.ratelimit_cluster,
+            prefix: args.ratelimit_prefix.clone(),
+            interval: Duration::from_millis(args.ratelimit_sync_ms.max(50)),
+            node_id: node_id.to_owned(),
+        })
+    }
+
+    /// Gives `builder` a fleet-mode limiter and starts syncing it.
+    pub fn start(self, builder: &mut crate::snapshot::Builder) -> anyhow::Result<Arc<RateSync>> {
+        let limiter = Arc::new(Limiter::fleet(crate::snapshot::RATE_BUCKETS));
+        builder.use_limiter(limiter.clone());
+        let shown: Vec<String> = self.urls.iter().map(|u| postern_model::redact_url(u)).collect();
+        tracing::info!(redis = ?shown, cluster = self.cluster, node = %self.node_id, "fleet-wide rate limits");
+        start(limiter, self).context("cannot start the rate sync")
+    }
 }
 
 /// The sync's state, for `/metrics` and `/readyz`.
@@ -476,7 +503,7 @@ async fn sync(
             let first: redis::RedisResult<Vec<Value>> = pipe.query_async(c).await;
             match first {
                 Err(e) if is_noscript(&e) => {
-                    load(c, &[keys_script, nodes_script]).await?;
+                    load(c, &[keys_script, nodes_script]).await.map_err(|e| e.to_string())?;
                     pipe.query_async(c).await.map_err(|e| e.to_string())?
                 }
                 other => other.map_err(|e| e.to_string())?,
@@ -492,7 +519,7 @@ async fn sync(
                 });
                 let results = futures_util::future::join_all(futs).await;
                 if attempt == 0 && results.iter().any(|r| matches!(r, Err(e) if is_noscript(e))) {
-                    load(c, &[keys_script, nodes_script]).await?;
+                    load(c, &[keys_script, nodes_script]).await.map_err(|e| e.to_string())?;
                     continue;
                 }
                 out = results.into_iter().collect::<Result<Vec<_>, _>>().map_err(|e| e.to_string())?;
@@ -532,9 +559,9 @@ fn is_noscript(e: &redis::RedisError) -> bool {
     e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
-async fn load(c: &mut impl ConnectionLike, scripts: &[&redis::Script]) -> Result<(), String> {
+async fn load(c: &mut impl ConnectionLike, scripts: &[&redis::Script]) -> Result<(), redis::RedisError> {
     for s in scripts {
-        s.prepare_invoke().load_async(c).await.map_err(|e| e.to_string())?;
+        s.prepare_invoke().load_async(c).await?;
     }
     Ok(())
 }

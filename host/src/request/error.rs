@@ -111,8 +111,8 @@ pub enum ProxyError {
     Refused(#[from] postern_validate::Refusal),
     /// A `Content-Encoding` the gateway does not decode, on a route that reads bodies
     /// whole.
-    #[error("the request body's Content-Encoding {0:?} is not one of gzip, br, zstd")]
-    Encoding(String),
+    #[error("the request body's Content-Encoding {:?} is not one of gzip, br, zstd", coding_name(.0))]
+    Encoding(postern_validate::UnknownCoding),
     /// A compressed body over the route's limits once decoded, or not valid in its
     /// coding.
     #[error("{0}")]
@@ -193,6 +193,11 @@ fn has_io_kind(e: &(dyn std::error::Error + 'static), kind: std::io::ErrorKind) 
         cur = err.source();
     }
     false
+}
+
+/// The `Content-Encoding` value as sent.
+fn coding_name(c: &postern_validate::UnknownCoding) -> &str {
+    &c.0
 }
 
 #[cfg(test)]

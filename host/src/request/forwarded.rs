@@ -13,19 +13,24 @@ use std::net::IpAddr;
 use http::{HeaderMap, HeaderValue};
 use ipnet::IpNet;
 
+/// A trusted hop that is neither an address nor a CIDR range, as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("trusted hop {0:?}: expected an address or a CIDR range (10.0.0.0/8)")]
+pub struct BadHop(pub String);
+
 /// The trusted hops' address ranges.
 #[derive(Debug, Clone, Default)]
 pub struct Hops(Vec<IpNet>);
 
 impl Hops {
     /// Reads CIDR ranges (`10.0.0.0/8`) or single addresses (`192.0.2.7`).
-    pub fn parse(list: &[String]) -> Result<Hops, String> {
+    pub fn parse(list: &[String]) -> Result<Hops, BadHop> {
         let mut out = Vec::with_capacity(list.len());
         for item in list.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
             let net = item
                 .parse::<IpNet>()
                 .or_else(|_| item.parse::<IpAddr>().map(IpNet::from))
-                .map_err(|_| format!("trusted hop {item:?}: expected an address or a CIDR range (10.0.0.0/8)"))?;
+                .map_err(|_| BadHop(item.to_owned()))?;
             out.push(net);
         }
         Ok(Hops(out))

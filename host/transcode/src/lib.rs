@@ -44,6 +44,62 @@ pub struct BuildError {
     pub message: String,
 }
 
+/// Why a backend's gRPC answer cannot become JSON.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseError {
+    /// A frame shorter than its header says.
+    #[error("a gRPC frame is cut short")]
+    CutShort,
+    /// A compressed frame.
+    #[error("a gRPC frame is compressed (none was asked for)")]
+    Compressed,
+    /// A message that does not decode as the method's output.
+    #[error("the answer does not decode: {0}")]
+    Decode(#[source] prost::DecodeError),
+    /// A message that cannot be written as JSON.
+    #[error("{0}")]
+    Json(#[source] serde_json::Error),
+    /// JSON over the largest answer.
+    #[error("the answer is too large as JSON")]
+    TooLarge,
+    /// No message in a unary answer.
+    #[error("the answer has no message")]
+    Empty,
+}
+
+/// Compares with the message, as tests read it.
+impl PartialEq<&str> for ResponseError {
+    fn eq(&self, other: &&str) -> bool {
+        let message = self.to_string();
+        message == *other
+    }
+}
+
+/// Why a dotted field path does not resolve in a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum FieldPathError {
+    /// The message has no such field.
+    #[error("{message} has no field {field:?}")]
+    NoField { message: String, field: String },
+    /// A step before the last is not a singular message.
+    #[error("{message}.{field} is not a message, so it has no fields")]
+    NotMessage { message: String, field: String },
+}
+
+/// Why a text is not a field's value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ValueError {
+    /// Not a value of the field's scalar kind.
+    #[error("{text:?} is not a {kind}")]
+    Kind { text: String, kind: String },
+    /// Not a name or number of the enum.
+    #[error("{text:?} is not a value of {name}")]
+    Enum { text: String, name: String },
+    /// The field is a message.
+    #[error("{0} is a message, not a scalar")]
+    Message(String),
+}
+
 /// One HTTP binding of a method.
 #[derive(Debug)]
 pub struct Binding {
@@ -132,15 +188,19 @@ fn text_field(rule: &DynamicMessage, name: &str) -> String {
 }
 
 /// Resolves a dotted field path in a message: each step but the last a singular message.
-fn field_path(msg: &MessageDescriptor, path: &[String]) -> Result<Vec<FieldDescriptor>, String> {
+fn field_path(msg: &MessageDescriptor, path: &[String]) -> Result<Vec<FieldDescriptor>, FieldPathError> {
     let mut out = Vec::with_capacity(path.len());
     let mut at = msg.clone();
     for (i, name) in path.iter().enumerate() {
-        let f = at.get_field_by_name(name).ok_or_else(|| format!("{} has no field {name:?}", at.full_name()))?;
+        let f = at
+            .get_field_by_name(name)
+            .ok_or_else(|| FieldPathError::NoField { message: at.full_name().to_owned(), field: name.clone() })?;
         if i + 1 < path.len() {
             match f.kind() {
                 Kind::Message(m) if !f.is_list() && !f.is_map() => at = m,
-                _ => return Err(format!("{}.{name} is not a message, so it has no fields", at.full_name())),
+                _ => {
+                    return Err(FieldPathError::NotMessage { message: at.full_name().to_owned(), field: name.clone() });
+                }
             }
         }
         out.push(f);
@@ -211,7 +271,7 @@ impl Transcoder {
         let input = rpc.input();
         let mut bound = Vec::new();
         for v in &template.variables {
-            let fields = field_path(&input, &v.field).map_err(|e| err(&at, e))?;
+            let fields = field_path(&input, &v.field).map_err(|e| err(&at, e.to_string()))?;
             if fields.last().is_some_and(|f| !scalar(f) || f.is_list()) {
                 return Err(err(&at, format!("{{{}}} must name a singular scalar field", v.field.join("."))));
             }
@@ -278,8 +338,8 @@ fn invalid(location: &'static str, pointer: String, message: String) -> Refusal 
 }
 
 /// A text (a path variable or query value) as a field's value.
-fn parse_value(f: &FieldDescriptor, text: &str) -> Result<Value, String> {
-    let bad = || format!("{text:?} is not a {:?}", f.kind());
+fn parse_value(f: &FieldDescriptor, text: &str) -> Result<Value, ValueError> {
+    let bad = || ValueError::Kind { text: text.to_owned(), kind: format!("{:?}", f.kind()) };
     Ok(match f.kind() {
         Kind::String => Value::String(text.to_owned()),
         Kind::Bool => match text {
@@ -307,10 +367,10 @@ fn parse_value(f: &FieldDescriptor, text: &str) -> Result<Value, String> {
                 text.parse::<i32>()
                     .ok()
                     .filter(|n| e.get_value(*n).is_some())
-                    .ok_or_else(|| format!("{text:?} is not a value of {}", e.full_name()))?,
+                    .ok_or_else(|| ValueError::Enum { text: text.to_owned(), name: e.full_name().to_owned() })?,
             ),
         },
-        Kind::Message(m) => return Err(format!("{} is a message, not a scalar", m.full_name())),
+        Kind::Message(m) => return Err(ValueError::Message(m.full_name().to_owned())),
     })
 }
 
@@ -426,7 +486,8 @@ impl Matched<'_> {
             match parse_value(last, text) {
                 Ok(v) => set(&mut msg, fields, v),
                 Err(e) => {
-                    errors.push(FieldError { location: "path", pointer: format!("/{}", last.name()), message: e })
+                    let (pointer, message) = (format!("/{}", last.name()), e.to_string());
+                    errors.push(FieldError { location: "path", pointer, message })
                 }
             }
         }
@@ -466,7 +527,7 @@ impl Matched<'_> {
                 }
                 match parse_value(last, &v) {
                     Ok(val) => set(&mut msg, &fields, val),
-                    Err(e) => errors.push(FieldError { location: "query", pointer: at, message: e }),
+                    Err(e) => errors.push(FieldError { location: "query", pointer: at, message: e.to_string() }),
                 }
             }
         }
@@ -486,7 +547,7 @@ impl Matched<'_> {
 
     /// The JSON answer to a call that ended with status OK: the output message (or its
     /// `response_body` field), one line per message for a streaming method.
-    pub fn response(&self, body: &[u8]) -> Result<Vec<u8>, String> {
+    pub fn response(&self, body: &[u8]) -> Result<Vec<u8>, ResponseError> {
         let b = self.binding;
         let out_desc = b.rpc.output();
         // Fields at their default are left out, as the proto3 JSON mapping does by
@@ -497,16 +558,15 @@ impl Matched<'_> {
         let mut count = 0;
         while !rest.is_empty() {
             if rest.len() < 5 {
-                return Err("a gRPC frame is cut short".into());
+                return Err(ResponseError::CutShort);
             }
             if rest[0] != 0 {
-                return Err("a gRPC frame is compressed (none was asked for)".into());
+                return Err(ResponseError::Compressed);
             }
             let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
-            let payload = rest.get(5..5 + len).ok_or("a gRPC frame is cut short")?;
+            let payload = rest.get(5..5 + len).ok_or(ResponseError::CutShort)?;
             rest = &rest[5 + len..];
-            let msg = DynamicMessage::decode(out_desc.clone(), payload)
-                .map_err(|e| format!("the answer does not decode: {e}"))?;
+            let msg = DynamicMessage::decode(out_desc.clone(), payload).map_err(ResponseError::Decode)?;
             let shown = match &b.response_body {
                 None => msg,
                 Some(f) => match msg.get_field(f).into_owned() {
@@ -518,14 +578,14 @@ impl Matched<'_> {
                 json.push(b'\n');
             }
             let mut ser = serde_json::Serializer::new(&mut json);
-            shown.serialize_with_options(&mut ser, &opts).map_err(|e| e.to_string())?;
+            shown.serialize_with_options(&mut ser, &opts).map_err(ResponseError::Json)?;
             count += 1;
             if json.len() > MAX_JSON_ANSWER {
-                return Err("the answer is too large as JSON".into());
+                return Err(ResponseError::TooLarge);
             }
         }
         if count == 0 && !b.server_streaming() {
-            return Err("the answer has no message".into());
+            return Err(ResponseError::Empty);
         }
         if b.server_streaming() && count > 0 {
             json.push(b'\n');

@@ -54,10 +54,50 @@ fn ident(s: &str) -> bool {
     b.next().is_some_and(|c| c.is_ascii_alphabetic() || c == b'_') && b.all(|c| c.is_ascii_alphanumeric() || c == b'_')
 }
 
+/// What is wrong with a path template.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// It does not start with `/`.
+    #[error("a template starts with /")]
+    NoSlash,
+    /// The verb is not a literal.
+    #[error("bad verb {0:?}")]
+    Verb(String),
+    /// A `{` without its `}`.
+    #[error("a variable is not closed")]
+    Unclosed,
+    /// A variable's field path is not a dotted list of identifiers.
+    #[error("bad field path {0:?}")]
+    FieldPath(String),
+    /// It ends with `/`.
+    #[error("a template does not end with /")]
+    TrailingSlash,
+    /// Text after a variable that is not `/`.
+    #[error("unexpected {0:?}")]
+    Unexpected(String),
+    /// It has no segment.
+    #[error("a template has at least one segment")]
+    Empty,
+    /// `**` before the last segment.
+    #[error("** may only be the last segment")]
+    DoubleStar,
+    /// A segment that is neither a literal nor a wildcard.
+    #[error("bad segment {0:?}")]
+    Segment(String),
+}
+
+/// Compares with the message, as tests and callers read it.
+impl PartialEq<&str> for TemplateError {
+    fn eq(&self, other: &&str) -> bool {
+        let message = self.to_string();
+        message == *other
+    }
+}
+
 impl Template {
     /// Parses a template, or says what is wrong with it.
-    pub fn parse(t: &str) -> Result<Template, String> {
-        let rest = t.strip_prefix('/').ok_or("a template starts with /")?;
+    pub fn parse(t: &str) -> Result<Template, TemplateError> {
+        let rest = t.strip_prefix('/').ok_or(TemplateError::NoSlash)?;
         // The verb follows the last ':' outside braces.
         let mut depth = 0;
         let mut verb_at = None;
@@ -73,7 +113,7 @@ impl Template {
             Some(i) => {
                 let v = &rest[i + 1..];
                 if !literal(v) {
-                    return Err(format!("bad verb {v:?}"));
+                    return Err(TemplateError::Verb(v.to_owned()));
                 }
                 (&rest[..i], Some(v.to_owned()))
             }
@@ -84,12 +124,12 @@ impl Template {
         let mut chars = path;
         while !chars.is_empty() {
             if let Some(inner) = chars.strip_prefix('{') {
-                let close = inner.find('}').ok_or("a variable is not closed")?;
+                let close = inner.find('}').ok_or(TemplateError::Unclosed)?;
                 let body = &inner[..close];
                 let (field, sub) = body.split_once('=').unwrap_or((body, "*"));
                 let field: Vec<String> = field.split('.').map(str::to_owned).collect();
                 if !field.iter().all(|f| ident(f)) {
-                    return Err(format!("bad field path {body:?}"));
+                    return Err(TemplateError::FieldPath(body.to_owned()));
                 }
                 let start = segments.len();
                 for s in sub.split('/') {
@@ -105,27 +145,27 @@ impl Template {
             }
             match chars.strip_prefix('/') {
                 Some(r) if !r.is_empty() => chars = r,
-                Some(_) => return Err("a template does not end with /".into()),
+                Some(_) => return Err(TemplateError::TrailingSlash),
                 None if chars.is_empty() => {}
-                None => return Err(format!("unexpected {chars:?}")),
+                None => return Err(TemplateError::Unexpected(chars.to_owned())),
             }
         }
         if segments.is_empty() {
-            return Err("a template has at least one segment".into());
+            return Err(TemplateError::Empty);
         }
         if segments.iter().rev().skip(1).any(|s| *s == Segment::DoubleStar) {
-            return Err("** may only be the last segment".into());
+            return Err(TemplateError::DoubleStar);
         }
         Ok(Template { segments, variables, verb })
     }
 
-    fn segment(s: &str, in_variable: bool) -> Result<Segment, String> {
+    fn segment(s: &str, in_variable: bool) -> Result<Segment, TemplateError> {
         match s {
             "*" => Ok(Segment::Star),
             "**" => Ok(Segment::DoubleStar),
-            s if s.contains(['{', '}']) && !in_variable => Err(format!("bad segment {s:?}")),
+            s if s.contains(['{', '}']) && !in_variable => Err(TemplateError::Segment(s.to_owned())),
             s if literal(s) => Ok(Segment::Literal(s.to_owned())),
-            s => Err(format!("bad segment {s:?}")),
+            s => Err(TemplateError::Segment(s.to_owned())),
         }
     }
 

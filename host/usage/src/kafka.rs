@@ -27,7 +27,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer, ProducerContext};
 
-use crate::{HttpSink, Sink};
+use crate::{HttpSink, Sink, SinkError};
 
 /// How long a send waits for every part to be acknowledged before it fails (and the
 /// windows go again).
@@ -52,7 +52,7 @@ struct Outcome {
     /// The send they belong to; reports of an earlier, abandoned send are ignored.
     send: usize,
     delivered: usize,
-    failed: Option<(Option<RDKafkaErrorCode>, String)>,
+    failed: Option<KafkaError>,
 }
 
 struct Deliveries(Mutex<Outcome>);
@@ -71,7 +71,7 @@ impl ProducerContext for Deliveries {
             Ok(_) => o.delivered += 1,
             Err((e, _)) => {
                 if o.failed.is_none() {
-                    o.failed = Some((e.rdkafka_error_code(), e.to_string()));
+                    o.failed = Some(e.clone());
                 }
             }
         }
@@ -137,8 +137,8 @@ impl KafkaSink {
     }
 
     /// Queues one part, waiting while librdkafka's queue is full.
-    fn produce(&self, part: &Window, send: usize) -> Result<(), (Option<RDKafkaErrorCode>, String)> {
-        let payload = serde_json::to_vec(part).map_err(|e| (None, e.to_string()))?;
+    fn produce(&self, part: &Window, send: usize) -> Result<(), (Option<RDKafkaErrorCode>, SinkError)> {
+        let payload = serde_json::to_vec(part).map_err(|e| (None, SinkError::Encode(e)))?;
         let key = part.caller_key().unwrap_or_else(|| format!("node:{}", part.node));
         let id = format!("{}/{}/{}", part.node, part.seq, part.part);
         let source = format!("postern:node:{}", part.node);
@@ -160,7 +160,7 @@ impl KafkaSink {
                     record = back;
                     self.producer.poll(Duration::from_millis(20));
                 }
-                Err((e, _)) => return Err((e.rdkafka_error_code(), format!("usage window {id} to Kafka: {e}"))),
+                Err((e, _)) => return Err((e.rdkafka_error_code(), SinkError::Produce { id, source: e })),
             }
         }
     }
@@ -247,20 +247,24 @@ impl KafkaLines {
     }
 }
 
-impl postern_observe::LineSink for KafkaLines {
-    fn send(&mut self, key: &str, line: &[u8]) -> Result<(), String> {
-        self.producer.send(BaseRecord::to(&self.topic).key(key).payload(line)).map_err(|(e, _)| e.to_string())
+impl KafkaLines {
+    /// Hands one line to librdkafka's queue, keyed by `key`, without waiting.
+    pub fn send(&mut self, key: &str, line: &[u8]) -> Result<(), KafkaError> {
+        self.producer.send(BaseRecord::to(&self.topic).key(key).payload(line)).map_err(|(e, _)| e)
     }
 
-    fn poll(&mut self) {
+    /// Serves librdkafka's delivery reports.
+    pub fn poll(&mut self) {
         self.producer.poll(Duration::ZERO);
     }
 
-    fn flush(&mut self, timeout: Duration) {
+    /// Waits up to `timeout` for queued lines to leave.
+    pub fn flush(&mut self, timeout: Duration) {
         let _ = self.producer.flush(timeout);
     }
 
-    fn undelivered(&self) -> u64 {
+    /// Lines queued so far that could not be delivered.
+    pub fn undelivered(&self) -> u64 {
         self.undelivered.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
@@ -283,7 +287,7 @@ fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
 }
 
 impl Sink for KafkaSink {
-    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String> {
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, SinkError> {
         if let Err((code, e)) = self.send_all(windows) {
             self.renew_if_broken(code);
             return Err(e);
@@ -297,10 +301,10 @@ impl Sink for KafkaSink {
 
     /// Counters go to the control plane (`--control`); without one they stay on the
     /// node (in `counters.json` and `/readyz`) and the reconciler waits for them.
-    fn report(&mut self, counters: &postern_model::usage::NodeCounters) -> Result<(), String> {
+    fn report(&mut self, counters: &postern_model::usage::NodeCounters) -> Result<(), SinkError> {
         match self.control.as_mut() {
             Some(control) => control.put_counters(counters),
-            None => Err("no control plane to report usage counters to (--control)".into()),
+            None => Err(SinkError::NoControl),
         }
     }
 }
@@ -308,13 +312,14 @@ impl Sink for KafkaSink {
 impl KafkaSink {
     /// Produces every part of `windows` and waits until each is acknowledged; else the
     /// error, with librdkafka's code when it has one.
-    fn send_all(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), (Option<RDKafkaErrorCode>, String)> {
+    fn send_all(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<(), (Option<RDKafkaErrorCode>, SinkError)> {
         self.sends += 1;
         let send = self.sends;
         *self.producer.context().0.lock().unwrap_or_else(|p| p.into_inner()) = Outcome { send, ..Outcome::default() };
         let mut parts = 0;
         for (seq, raw) in windows {
-            let w: Window = serde_json::from_slice(raw).map_err(|e| (None, format!("spooled window {seq}: {e}")))?;
+            let w: Window =
+                serde_json::from_slice(raw).map_err(|source| (None, SinkError::Spooled { seq: *seq, source }))?;
             for part in w.split() {
                 self.produce(&part, send)?;
                 parts += 1;
@@ -324,18 +329,15 @@ impl KafkaSink {
         loop {
             self.producer.poll(Duration::from_millis(5));
             let o = self.producer.context().0.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some((code, e)) = &o.failed {
-                return Err((*code, format!("Kafka: {e}")));
+            if let Some(e) = &o.failed {
+                return Err((e.rdkafka_error_code(), SinkError::Delivery(e.clone())));
             }
             if o.delivered >= parts {
                 break;
             }
             drop(o);
             if Instant::now() > deadline {
-                return Err((
-                    None,
-                    format!("Kafka: not every usage window acknowledged in {} s", DELIVERY_TIMEOUT.as_secs()),
-                ));
+                return Err((None, SinkError::Unacknowledged { secs: DELIVERY_TIMEOUT.as_secs() }));
             }
         }
         Ok(())

@@ -33,6 +33,91 @@ pub use counters::Counters;
 pub use meter::{Call, Meter};
 pub use spool::{Opened, Spool, SpoolError, SpoolLimits};
 
+/// Why a send to the usage stream or the control plane failed; the windows stay in the
+/// spool and go again.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The control plane did not answer in time.
+    #[error("{url}: no answer in {secs} s")]
+    Timeout {
+        /// Where it was sent.
+        url: String,
+        /// How long it waited.
+        secs: u64,
+    },
+    /// The request did not reach the control plane.
+    #[error("{url}: {source}")]
+    Request {
+        /// Where it was sent.
+        url: String,
+        /// What the client said.
+        source: hyper_util::client::legacy::Error,
+    },
+    /// The control plane answered with an error status.
+    #[error("{url}: {status}: {body}")]
+    Status {
+        /// Where it was sent.
+        url: String,
+        /// The status.
+        status: http::StatusCode,
+        /// The body of the answer, trimmed.
+        body: String,
+    },
+    /// The control plane's answer is not what it should be.
+    #[error("{url}: the answer: {source}")]
+    Answer {
+        /// Where it was sent.
+        url: String,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// A request could not be built (a bad URL).
+    #[error("{0}")]
+    Build(#[from] http::Error),
+    /// What was to be sent could not be written as JSON.
+    #[error("{0}")]
+    Encode(#[from] serde_json::Error),
+    /// Counters can only go to a control plane, and there is none.
+    #[error("no control plane to report usage counters to (--control)")]
+    NoControl,
+    /// A spooled window does not parse.
+    #[error("spooled window {seq}: {source}")]
+    Spooled {
+        /// Its number.
+        seq: u64,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// Kafka refused a part.
+    #[error("usage window {id} to Kafka: {source}")]
+    Produce {
+        /// The part's `ce_id`.
+        id: String,
+        /// librdkafka's error.
+        source: rdkafka::error::KafkaError,
+    },
+    /// A part was not delivered.
+    #[error("Kafka: {0}")]
+    Delivery(rdkafka::error::KafkaError),
+    /// Not every part was acknowledged in time.
+    #[error("Kafka: not every usage window acknowledged in {secs} s")]
+    Unacknowledged {
+        /// How long it waited.
+        secs: u64,
+    },
+}
+
+/// Why the HTTP sink could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// Its runtime could not start.
+    #[error(transparent)]
+    Runtime(#[from] std::io::Error),
+    /// Its TLS client could not be set up.
+    #[error(transparent)]
+    Tls(#[from] postern_model::tls::TlsError),
+}
+
 /// How long after a window's end it is closed: calls answered at its very end are
 /// counted in it unless their thread ran this much later.
 const GRACE: Duration = Duration::from_millis(250);
@@ -52,7 +137,7 @@ pub trait Sink: Send {
     /// Delivers windows (`(seq, window JSON)`, in order); `Ok` only once every one is
     /// acknowledged (applied or already applied), with the runs of this node's earlier
     /// numbers the far side says it never got (inclusive), for a re-send.
-    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String>;
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, SinkError>;
 
     /// Runs of this node's acknowledged numbers the far side says it lacks, asked for
     /// while there is nothing new to send (a sink decides how often it really asks).
@@ -62,7 +147,7 @@ pub trait Sink: Send {
 
     /// Reports the node's own counters of a period complete on it; `Ok` once the control
     /// plane took them.
-    fn report(&mut self, counters: &NodeCounters) -> Result<(), String>;
+    fn report(&mut self, counters: &NodeCounters) -> Result<(), SinkError>;
 }
 
 /// Counters shown in `/readyz` and `/metrics`.
@@ -565,6 +650,7 @@ impl Usage {
                 }
                 Err(e) => {
                     self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
+                    let e = e.to_string();
                     let mut last = self.stats.ship_error.lock().unwrap_or_else(|p| p.into_inner());
                     if last.as_deref() != Some(&e) {
                         tracing::warn!(error = %e, "usage windows not delivered; retrying (they stay in the spool)");
@@ -725,7 +811,7 @@ pub struct HttpSink {
 
 impl HttpSink {
     /// A sink to the control plane at `base` (`http(s)://host:port`) for `node`.
-    pub fn new(base: &str, token: &str, ca: Option<&std::path::Path>, node: &str) -> anyhow::Result<HttpSink> {
+    pub fn new(base: &str, token: &str, ca: Option<&std::path::Path>, node: &str) -> Result<HttpSink, SetupError> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let client = {
             let _enter = rt.enter();
@@ -745,21 +831,20 @@ impl HttpSink {
 impl HttpSink {
     /// Asks the control plane which of this node's numbers the usage store lacks
     /// (`GET /v1/nodes/<node>/usage/missing`).
-    pub fn missing(&mut self) -> Result<Vec<(u64, u64)>, String> {
+    pub fn missing(&mut self) -> Result<Vec<(u64, u64)>, SinkError> {
         let url = format!("{}/v1/nodes/{}/usage/missing", self.base, self.node);
         let req = http::Request::get(&url).header(http::header::AUTHORIZATION, format!("Bearer {}", self.token));
         self.exchange(url, req, bytes::Bytes::new())
     }
 
     /// Reports the node's own counters of a period (`PUT /v1/nodes/<node>/usage/counters`).
-    pub fn put_counters(&mut self, counters: &NodeCounters) -> Result<(), String> {
+    pub fn put_counters(&mut self, counters: &NodeCounters) -> Result<(), SinkError> {
         let url = format!("{}{}", self.base, postern_model::protocol::counters_path(&self.node));
-        let body = serde_json::to_vec(counters).map_err(|e| e.to_string())?;
+        let body = serde_json::to_vec(counters)?;
         let req = http::Request::put(&url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
         self.send(&url, req).map(|_| ())
     }
 
@@ -768,18 +853,19 @@ impl HttpSink {
         &mut self,
         url: &str,
         req: http::Request<http_body_util::Full<bytes::Bytes>>,
-    ) -> Result<bytes::Bytes, String> {
+    ) -> Result<bytes::Bytes, SinkError> {
         let client = self.client.clone();
         self.rt.block_on(async move {
             let resp = tokio::time::timeout(Duration::from_secs(10), client.request(req))
                 .await
-                .map_err(|_| format!("{url}: no answer in 10 s"))?
-                .map_err(|e| format!("{url}: {e}"))?;
+                .map_err(|_| SinkError::Timeout { url: url.to_owned(), secs: 10 })?
+                .map_err(|source| SinkError::Request { url: url.to_owned(), source })?;
             let status = resp.status();
             let body =
                 http_body_util::BodyExt::collect(resp.into_body()).await.map(|b| b.to_bytes()).unwrap_or_default();
             if !status.is_success() {
-                return Err(format!("{url}: {status}: {}", String::from_utf8_lossy(&body).trim()));
+                let body = String::from_utf8_lossy(&body).trim().to_owned();
+                return Err(SinkError::Status { url: url.to_owned(), status, body });
             }
             Ok(body)
         })
@@ -792,11 +878,11 @@ impl HttpSink {
         url: String,
         req: http::request::Builder,
         body: bytes::Bytes,
-    ) -> Result<Vec<(u64, u64)>, String> {
-        let req = req.body(http_body_util::Full::new(body)).map_err(|e| e.to_string())?;
+    ) -> Result<Vec<(u64, u64)>, SinkError> {
+        let req = req.body(http_body_util::Full::new(body))?;
         let body = self.send(&url, req)?;
         let ack: postern_model::protocol::UsageAck =
-            serde_json::from_slice(&body).map_err(|e| format!("{url}: the answer: {e}"))?;
+            serde_json::from_slice(&body).map_err(|source| SinkError::Answer { url, source })?;
         Ok(ack.missing.into_iter().filter(|m| m.node == self.node).map(|m| (m.from, m.to)).collect())
     }
 }
@@ -817,7 +903,7 @@ pub fn batch_body(windows: &[(u64, Vec<u8>)]) -> Vec<u8> {
 }
 
 impl Sink for HttpSink {
-    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, String> {
+    fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, SinkError> {
         let body = batch_body(windows);
         let req = http::Request::post(&self.url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
@@ -825,7 +911,7 @@ impl Sink for HttpSink {
         self.exchange(self.url.clone(), req, bytes::Bytes::from(body))
     }
 
-    fn report(&mut self, counters: &NodeCounters) -> Result<(), String> {
+    fn report(&mut self, counters: &NodeCounters) -> Result<(), SinkError> {
         self.put_counters(counters)
     }
 }

@@ -20,14 +20,25 @@ pub enum Coding {
 impl Coding {
     /// The coding a `Content-Encoding` value names: `Ok(None)` for `identity`, `Err` with
     /// the value for a coding the gateway does not decode (or a list of several).
-    pub fn from_header(v: &str) -> Result<Option<Coding>, String> {
+    pub fn from_header(v: &str) -> Result<Option<Coding>, UnknownCoding> {
         match v.trim().to_ascii_lowercase().as_str() {
             "identity" | "" => Ok(None),
             "gzip" | "x-gzip" => Ok(Some(Coding::Gzip)),
             "br" => Ok(Some(Coding::Brotli)),
             "zstd" => Ok(Some(Coding::Zstd)),
-            _ => Err(v.to_owned()),
+            _ => Err(UnknownCoding(v.to_owned())),
         }
+    }
+}
+
+/// A `Content-Encoding` value the gateway does not decode, as it was sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UnknownCoding(pub String);
+
+impl From<&str> for UnknownCoding {
+    fn from(v: &str) -> UnknownCoding {
+        UnknownCoding(v.to_owned())
     }
 }
 

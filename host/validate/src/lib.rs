@@ -22,7 +22,7 @@ use http::{HeaderMap, HeaderName};
 use postern_model::validate::{JsonLimits, MAX_FIELD_ERRORS, ParamIn, ParamShape, Validation};
 use serde_json::Value;
 
-pub use decode::{Coding, DecodeError};
+pub use decode::{Coding, DecodeError, UnknownCoding};
 pub use json::JsonError;
 
 /// The longest message one field error carries.

@@ -20,5 +20,5 @@ pub mod stats;
 pub use filter::WasmFilter;
 // The attachment schema is the snapshot model's; the runtime reads it.
 pub use postern_model::wasm::{Attachment, FailurePolicy, Limits, QuarantinePolicy, config_bytes};
-pub use runtime::{Binding, LoadError, Module, Reset, Runtime, RuntimeConfig, digest};
+pub use runtime::{Binding, LoadError, Module, Reset, Runtime, RuntimeConfig, UnknownReset, digest};
 pub use stats::{FilterStats, Outcome};

@@ -140,14 +140,27 @@ pub enum Reset {
     Decommit,
 }
 
+/// A name that is not a [`Reset`], as given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a reset: copy, scan or decommit")]
+pub struct UnknownReset(pub String);
+
+/// Compares with the message, as tests read it.
+impl PartialEq<&str> for UnknownReset {
+    fn eq(&self, other: &&str) -> bool {
+        let message = self.to_string();
+        message == *other
+    }
+}
+
 impl std::str::FromStr for Reset {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownReset;
+    fn from_str(s: &str) -> Result<Self, UnknownReset> {
         match s {
             "copy" => Ok(Reset::Copy),
             "scan" => Ok(Reset::Scan),
             "decommit" => Ok(Reset::Decommit),
-            _ => Err(format!("`{s}` is not a reset: copy, scan or decommit")),
+            _ => Err(UnknownReset(s.to_owned())),
         }
     }
 }

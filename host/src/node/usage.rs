@@ -1,0 +1,95 @@
+//! The usage subsystem: where a node's metered calls are spooled and where they are
+//! shipped (the control plane's intake or a Kafka topic), built from its own settings.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::node::args::Args;
+use crate::node::control::ControlLink;
+
+/// Usage settings: metering is on when a spool, a control plane or a Kafka stream is
+/// given.
+#[derive(Debug, Clone)]
+pub struct UsageSettings {
+    /// The spool directory (default: `usage-spool` beside the snapshot).
+    pub dir: PathBuf,
+    /// The spool's size cap in bytes.
+    pub spool_max: u64,
+    /// The usage stream on Kafka, if it goes there rather than to the control plane.
+    pub kafka: Option<KafkaStream>,
+}
+
+/// The usage stream's Kafka settings.
+#[derive(Debug, Clone)]
+pub struct KafkaStream {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// The topic.
+    pub topic: String,
+    /// Further librdkafka settings, `key=value`.
+    pub options: Vec<String>,
+    /// How often the control plane is asked for missing windows.
+    pub missing_poll: Duration,
+}
+
+impl UsageSettings {
+    /// The settings the command line gives; `None` when usage is not metered.
+    pub fn from_args(args: &Args, snapshot_dir: &Path) -> Option<UsageSettings> {
+        if args.usage_spool.is_none() && args.control.is_none() && args.usage_kafka.is_none() {
+            return None;
+        }
+        Some(UsageSettings {
+            dir: args.usage_spool.clone().unwrap_or_else(|| snapshot_dir.join("usage-spool")),
+            spool_max: args.usage_spool_max,
+            kafka: args.usage_kafka.as_ref().map(|brokers| KafkaStream {
+                brokers: brokers.clone(),
+                topic: args.usage_kafka_topic.clone(),
+                options: args.usage_kafka_option.clone(),
+                missing_poll: Duration::from_secs(args.usage_kafka_missing_poll_s.max(1)),
+            }),
+        })
+    }
+
+    /// The node id the spool was written for: its windows are numbered for that node.
+    pub fn spool_owner(&self) -> anyhow::Result<Option<String>> {
+        postern_usage::Spool::owner(&self.dir).context("the usage spool")
+    }
+
+    /// Opens the spool and starts the threads that close windows and ship them.
+    pub fn start(self, node_id: &str, link: Option<&ControlLink>) -> anyhow::Result<Arc<postern_usage::Usage>> {
+        let http = match link {
+            Some(l) => Some(
+                postern_usage::HttpSink::new(&l.url, &l.token, l.ca.as_deref(), node_id)
+                    .context("the usage shipper")?,
+            ),
+            None => None,
+        };
+        let sink: Option<Box<dyn postern_usage::Sink>> = match &self.kafka {
+            Some(k) => {
+                let settings = postern_usage::kafka::KafkaSettings {
+                    brokers: k.brokers.clone(),
+                    topic: k.topic.clone(),
+                    options: postern_model::usage::kafka_options(&k.options)?,
+                    missing_poll: k.missing_poll,
+                };
+                Some(Box::new(
+                    postern_usage::kafka::KafkaSink::new(&settings, node_id, http)
+                        .context("the usage stream (Kafka)")?,
+                ))
+            }
+            None => http.map(|h| Box::new(h) as Box<dyn postern_usage::Sink>),
+        };
+        let settings = postern_usage::Settings {
+            node: node_id.to_owned(),
+            dir: self.dir.clone(),
+            limits: postern_usage::SpoolLimits::with_cap(self.spool_max),
+        };
+        let usage = postern_usage::Usage::start(settings, sink).context("cannot start usage metering")?;
+        let to = self.kafka.as_ref().map(|k| format!("kafka {}", k.brokers)).or_else(|| link.map(|l| l.url.clone()));
+        tracing::info!(node = %node_id, spool = %self.dir.display(), shipped_to = ?to, "usage metered");
+        Ok(usage)
+    }
+}
