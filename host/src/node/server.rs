@@ -163,7 +163,9 @@ fn node_id(args: &Args, usage: Option<&UsageSettings>) -> anyhow::Result<String>
 
 /// The snapshot on disk, built and checked: the node's first live version.
 fn first_snapshot(builder: &Builder, path: &Path, metrics: &Metrics) -> anyhow::Result<Live> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
+    // The operator's file: a link is followed, to a regular file within the snapshot cap.
+    let bytes = postern_model::disk::read_regular(path, postern_model::disk::SNAPSHOT_FILE_CAP)
+        .with_context(|| format!("cannot read snapshot {}", path.display()))?;
     let live = builder.build_bytes(&bytes).with_context(|| format!("snapshot {} refused", path.display()))?;
     tracing::info!(version = live.version, hash = %live.hash, routes = live.route_count, "snapshot live");
     metrics.snapshot_version.store(live.version, Ordering::Relaxed);
