@@ -39,7 +39,7 @@ use self::clusters::{cluster_tls, compile_breaker, compile_budget, compile_outli
 use self::context::{Ctx, Owner, team_dirs, yaml_files};
 use self::parse::{priority, ranged, segments, valid_host_port, valid_name};
 use self::routes::{check_route_samples, compile_route};
-use crate::config::{ClustersDoc, OwnershipDoc, PlansDoc, RoutesDoc};
+use crate::config::{ClusterDoc, ClustersDoc, OwnershipDoc, PlansDoc, RoutesDoc};
 
 /// A compiled repository: the snapshot and the filter modules it references.
 #[derive(Debug)]
@@ -64,6 +64,39 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         specs: HashMap::new(),
         spec_errors: HashSet::new(),
     };
+    let never_canary = load_platform(&mut cx, root);
+    let clusters = compile_clusters(&mut cx, root);
+    let owners = load_owners(&mut cx, root);
+    let files = team_files(&mut cx, root);
+    let (routes, builders) = compile_routes(&mut cx, root, files, &clusters, &owners);
+
+    // Saved requests must still reach their routes (only judged on routes that compiled).
+    if cx.diags.is_empty() {
+        let routers: HashMap<Pool, postern_router::Router<usize>> =
+            builders.into_iter().map(|(pool, b)| (pool, b.build())).collect();
+        check_route_samples(&mut cx, &routers, &routes);
+    }
+
+    if cx.diags.is_empty() {
+        Ok(Compiled {
+            snapshot: Snapshot {
+                schema: SCHEMA_VERSION,
+                clusters,
+                routes,
+                plans: snapshot_plans(&cx.plans),
+                paths: cx.paths,
+                never_canary,
+            },
+            modules: cx.modules,
+        })
+    } else {
+        Err(Rejected(cx.diags))
+    }
+}
+
+/// The platform files but clusters and ownership: `gateway.yaml` (path policy, plans
+/// never on a canary), `plans.yaml` and `filters.yaml` (the reviewed modules), into `cx`.
+fn load_platform(cx: &mut Ctx, root: &Path) -> postern_model::NeverCanary {
     let gateway_path = root.join("platform/gateway.yaml");
     let mut never_canary = postern_model::NeverCanary::default();
     if gateway_path.exists()
@@ -76,32 +109,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
     if plans_path.exists()
         && let Some(doc) = cx.load::<PlansDoc>(&plans_path, None)
     {
-        for (name, plan) in &doc.plans {
-            for (sub, r) in [("rateLimit", &plan.rate_limit), ("appRateLimit", &plan.app_rate_limit)] {
-                if let Some(r) = r
-                    && (r.rps == 0 || r.rps > 1_000_000_000 || r.burst.is_some_and(|b| b == 0 || b > 1_000_000_000))
-                {
-                    cx.error(&plans_path, format!("plans.{name}.{sub}"), "rps and burst are 1 to 1e9", None);
-                }
-            }
-            if let Some(q) = &plan.quota {
-                if q.monthly == 0 {
-                    cx.error(&plans_path, format!("plans.{name}.quota.monthly"), "give at least 1 call", None);
-                }
-                if let Err(e) = q.anchor() {
-                    cx.error(&plans_path, format!("plans.{name}.quota.anchor"), e.to_string(), None);
-                }
-            }
-            if let Some(p) = &plan.priority {
-                priority(&mut cx, &plans_path, format!("plans.{name}.priority"), p, None);
-            }
-            for (i, p) in plan.products.iter().enumerate() {
-                if !doc.products.contains(p) {
-                    let msg = format!("unknown product {p:?} (products are listed under products:)");
-                    cx.error(&plans_path, format!("plans.{name}.products[{i}]"), msg, None);
-                }
-            }
-        }
+        check_plans(cx, &plans_path, &doc);
         cx.plans = doc;
     }
     for (i, p) in never_canary.plans.iter().enumerate() {
@@ -116,69 +124,105 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
     {
         cx.review = doc.approved;
     }
+    never_canary
+}
 
+/// Every plan of `plans.yaml`: its rates, quota, priority and known products.
+fn check_plans(cx: &mut Ctx, plans_path: &Path, doc: &PlansDoc) {
+    for (name, plan) in &doc.plans {
+        for (sub, r) in [("rateLimit", &plan.rate_limit), ("appRateLimit", &plan.app_rate_limit)] {
+            if let Some(r) = r
+                && (r.rps == 0 || r.rps > 1_000_000_000 || r.burst.is_some_and(|b| b == 0 || b > 1_000_000_000))
+            {
+                cx.error(plans_path, format!("plans.{name}.{sub}"), "rps and burst are 1 to 1e9", None);
+            }
+        }
+        if let Some(q) = &plan.quota {
+            if q.monthly == 0 {
+                cx.error(plans_path, format!("plans.{name}.quota.monthly"), "give at least 1 call", None);
+            }
+            if let Err(e) = q.anchor() {
+                cx.error(plans_path, format!("plans.{name}.quota.anchor"), e.to_string(), None);
+            }
+        }
+        if let Some(p) = &plan.priority {
+            priority(cx, plans_path, format!("plans.{name}.priority"), p, None);
+        }
+        for (i, p) in plan.products.iter().enumerate() {
+            if !doc.products.contains(p) {
+                let msg = format!("unknown product {p:?} (products are listed under products:)");
+                cx.error(plans_path, format!("plans.{name}.products[{i}]"), msg, None);
+            }
+        }
+    }
+}
+
+/// Every cluster of `platform/clusters.yaml`, by name.
+fn compile_clusters(cx: &mut Ctx, root: &Path) -> BTreeMap<String, Cluster> {
     let clusters_path = root.join("platform/clusters.yaml");
     let clusters: ClustersDoc = cx.load(&clusters_path, None).unwrap_or(ClustersDoc { clusters: BTreeMap::new() });
     let mut out_clusters = BTreeMap::new();
     for (name, c) in clusters.clusters {
-        let field = format!("clusters.{name}");
-        if !valid_name(&name) {
-            cx.error(&clusters_path, &field, "cluster names are lowercase letters, digits and '-'", None);
-        }
-        if c.endpoints.is_empty() {
-            cx.error(&clusters_path, format!("{field}.endpoints"), "a cluster needs at least one endpoint", None);
-        }
-        for (i, e) in c.endpoints.iter().enumerate() {
-            if e.parse::<std::net::SocketAddr>().is_err() && !valid_host_port(e) {
-                cx.error(&clusters_path, format!("{field}.endpoints[{i}]"), format!("{e:?} is not host:port"), None);
-            }
-        }
-        let max_connections = c.max_connections.unwrap_or(postern_model::DEFAULT_MAX_CONNECTIONS);
-        if max_connections == 0 || max_connections > postern_model::MAX_CONNECTIONS_LIMIT {
-            cx.error(&clusters_path, format!("{field}.maxConnections"), "must be 1 to 65536", None);
-        }
-        let breaker = compile_breaker(&mut cx, &clusters_path, &field, &c.breaker, c.owner.as_deref());
-        let retry_budget = compile_budget(&mut cx, &clusters_path, &field, &c.retry_budget, c.owner.as_deref());
-        let shed_at_percent = c
-            .shed_at_percent
-            .and_then(|p| {
-                ranged(
-                    &mut cx,
-                    &clusters_path,
-                    format!("{field}.shedAtPercent"),
-                    p.into(),
-                    (10, 100),
-                    c.owner.as_deref(),
-                )
-            })
-            .and_then(|p| u8::try_from(p).ok())
-            .unwrap_or(postern_model::DEFAULT_SHED_AT_PERCENT);
-        let http2 = match c.protocol.as_deref() {
-            None | Some("http1") => false,
-            Some("http2") => true,
-            Some(p) => {
-                let msg = format!("unknown protocol {p:?} (http1 or http2)");
-                cx.error(&clusters_path, format!("{field}.protocol"), msg, c.owner.as_deref());
-                false
-            }
-        };
-        let tls =
-            c.tls.as_ref().and_then(|t| cluster_tls(&mut cx, root, &clusters_path, &field, t, c.owner.as_deref()));
-        let outlier = compile_outlier(&mut cx, &clusters_path, &field, &c.outlier, c.owner.as_deref());
-        let cluster = Cluster {
-            endpoints: c.endpoints,
-            owner: c.owner,
-            max_connections,
-            breaker,
-            retry_budget,
-            shed_at_percent,
-            http2,
-            tls,
-            outlier,
-        };
+        let cluster = compile_cluster(cx, root, &clusters_path, &name, c);
         out_clusters.insert(name, cluster);
     }
+    out_clusters
+}
 
+/// One cluster: its name, endpoints, connection cap, breaker, retry budget, shedding,
+/// protocol, TLS and outlier ejection.
+fn compile_cluster(cx: &mut Ctx, root: &Path, clusters_path: &Path, name: &str, c: ClusterDoc) -> Cluster {
+    let field = format!("clusters.{name}");
+    if !valid_name(name) {
+        cx.error(clusters_path, &field, "cluster names are lowercase letters, digits and '-'", None);
+    }
+    if c.endpoints.is_empty() {
+        cx.error(clusters_path, format!("{field}.endpoints"), "a cluster needs at least one endpoint", None);
+    }
+    for (i, e) in c.endpoints.iter().enumerate() {
+        if e.parse::<std::net::SocketAddr>().is_err() && !valid_host_port(e) {
+            cx.error(clusters_path, format!("{field}.endpoints[{i}]"), format!("{e:?} is not host:port"), None);
+        }
+    }
+    let max_connections = c.max_connections.unwrap_or(postern_model::DEFAULT_MAX_CONNECTIONS);
+    if max_connections == 0 || max_connections > postern_model::MAX_CONNECTIONS_LIMIT {
+        cx.error(clusters_path, format!("{field}.maxConnections"), "must be 1 to 65536", None);
+    }
+    let breaker = compile_breaker(cx, clusters_path, &field, &c.breaker, c.owner.as_deref());
+    let retry_budget = compile_budget(cx, clusters_path, &field, &c.retry_budget, c.owner.as_deref());
+    let shed_at_percent = c
+        .shed_at_percent
+        .and_then(|p| {
+            ranged(cx, clusters_path, format!("{field}.shedAtPercent"), p.into(), (10, 100), c.owner.as_deref())
+        })
+        .and_then(|p| u8::try_from(p).ok())
+        .unwrap_or(postern_model::DEFAULT_SHED_AT_PERCENT);
+    let http2 = match c.protocol.as_deref() {
+        None | Some("http1") => false,
+        Some("http2") => true,
+        Some(p) => {
+            let msg = format!("unknown protocol {p:?} (http1 or http2)");
+            cx.error(clusters_path, format!("{field}.protocol"), msg, c.owner.as_deref());
+            false
+        }
+    };
+    let tls = c.tls.as_ref().and_then(|t| cluster_tls(cx, root, clusters_path, &field, t, c.owner.as_deref()));
+    let outlier = compile_outlier(cx, clusters_path, &field, &c.outlier, c.owner.as_deref());
+    Cluster {
+        endpoints: c.endpoints,
+        owner: c.owner,
+        max_connections,
+        breaker,
+        retry_budget,
+        shed_at_percent,
+        http2,
+        tls,
+        outlier,
+    }
+}
+
+/// The claims of `platform/ownership.yaml`: host and path prefix to team, each claimed once.
+fn load_owners(cx: &mut Ctx, root: &Path) -> Vec<Owner> {
     let ownership_path = root.join("platform/ownership.yaml");
     let ownership: OwnershipDoc = cx.load(&ownership_path, None).unwrap_or(OwnershipDoc { owners: Vec::new() });
     let mut owners = Vec::new();
@@ -197,8 +241,11 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         }
         owners.push(Owner { host: o.host, prefix, team: o.team });
     }
+    owners
+}
 
-    // Team files, in a stable order.
+/// Team files, in a stable order: each with its team.
+fn team_files(cx: &mut Ctx, root: &Path) -> Vec<(String, PathBuf)> {
     let mut files: Vec<(String, PathBuf)> = Vec::new();
     let teams_dir = root.join("teams");
     match team_dirs(&teams_dir) {
@@ -213,7 +260,18 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
             }
         }
     }
+    files
+}
 
+/// Every route of the team files, each defined once and placed in its pool's router
+/// without an equally specific rival; with the routers' builders (values index the routes).
+fn compile_routes(
+    cx: &mut Ctx,
+    root: &Path,
+    files: Vec<(String, PathBuf)>,
+    clusters: &BTreeMap<String, Cluster>,
+    owners: &[Owner],
+) -> (Vec<Route>, HashMap<Pool, RouterBuilder<usize>>) {
     let mut routes: Vec<Route> = Vec::new();
     let mut origin: Vec<(PathBuf, String)> = Vec::new(); // file and field of each route
     let mut builders: HashMap<Pool, RouterBuilder<usize>> = HashMap::new();
@@ -223,7 +281,7 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
         let Some(doc) = cx.load::<RoutesDoc>(&file, Some(&team)) else { continue };
         for (i, r) in doc.routes.into_iter().enumerate() {
             let field = format!("routes[{i}]");
-            if let Some(route) = compile_route(&mut cx, &file, &field, &team, r, &out_clusters, &owners) {
+            if let Some(route) = compile_route(cx, &file, &field, &team, r, clusters, owners) {
                 if let Some((f, fld)) = names.get(&route.id) {
                     let msg = format!("route {} is already defined at {}: {fld}", route.id, f.display());
                     cx.error(&file, format!("{field}.name"), msg, Some(&team));
@@ -263,49 +321,31 @@ pub fn compile(root: &Path) -> Result<Compiled, Rejected> {
             }
         }
     }
+    (routes, builders)
+}
 
-    // Saved requests must still reach their routes (only judged on routes that compiled).
-    if cx.diags.is_empty() {
-        let routers: HashMap<Pool, postern_router::Router<usize>> =
-            builders.into_iter().map(|(pool, b)| (pool, b.build())).collect();
-        check_route_samples(&mut cx, &routers, &routes);
-    }
-
-    if cx.diags.is_empty() {
-        Ok(Compiled {
-            snapshot: Snapshot {
-                schema: SCHEMA_VERSION,
-                clusters: out_clusters,
-                routes,
-                plans: cx
-                    .plans
-                    .plans
-                    .iter()
-                    .map(|(k, p)| {
-                        let rate = |r: &Option<crate::config::RateDoc>| {
-                            r.map(|r| postern_model::Rate { rps: r.rps, burst: r.burst.unwrap_or(r.rps) })
-                        };
-                        let plan = Plan {
-                            products: p.products.clone(),
-                            rate_limit: rate(&p.rate_limit),
-                            app_rate_limit: rate(&p.app_rate_limit),
-                            fail_closed: p.on_sync_loss == crate::config::SyncLossDoc::Closed,
-                            quota: p.quota.as_ref().and_then(|q| {
-                                Some(postern_model::Quota { calls: q.monthly, mode: q.mode, anchor: q.anchor().ok()? })
-                            }),
-                            priority: p.priority.as_deref().and_then(Priority::parse),
-                        };
-                        (k.clone(), plan)
-                    })
-                    .collect(),
-                paths: cx.paths,
-                never_canary,
-            },
-            modules: cx.modules,
+/// The snapshot's plans, from the checked `plans.yaml`.
+fn snapshot_plans(plans: &PlansDoc) -> BTreeMap<String, Plan> {
+    plans
+        .plans
+        .iter()
+        .map(|(k, p)| {
+            let rate = |r: &Option<crate::config::RateDoc>| {
+                r.map(|r| postern_model::Rate { rps: r.rps, burst: r.burst.unwrap_or(r.rps) })
+            };
+            let plan = Plan {
+                products: p.products.clone(),
+                rate_limit: rate(&p.rate_limit),
+                app_rate_limit: rate(&p.app_rate_limit),
+                fail_closed: p.on_sync_loss == crate::config::SyncLossDoc::Closed,
+                quota: p.quota.as_ref().and_then(|q| {
+                    Some(postern_model::Quota { calls: q.monthly, mode: q.mode, anchor: q.anchor().ok()? })
+                }),
+                priority: p.priority.as_deref().and_then(Priority::parse),
+            };
+            (k.clone(), plan)
         })
-    } else {
-        Err(Rejected(cx.diags))
-    }
+        .collect()
 }
 
 /// Why a repository did not compile: every problem of its snapshot, or of its credential

@@ -35,6 +35,8 @@ fn owner_of<'o>(owners: &'o [Owner], host: &str, path: &str) -> Option<&'o Owner
     best(host).or_else(|| best("*"))
 }
 
+/// One route of a team file, checked field by field; `None` when any check failed (the
+/// diagnostics say why).
 pub(crate) fn compile_route(
     cx: &mut Ctx,
     file: &Path,
@@ -50,6 +52,81 @@ pub(crate) fn compile_route(
         cx.error(file, format!("{field}.name"), "route names are lowercase letters, digits and '-'", owner);
     }
 
+    let RouteMatch { hosts, methods, path, kind, version } = route_match(cx, file, field, team, &r);
+    check_ownership(cx, file, field, team, &hosts, &path, owners);
+    let (backends, split_header) = route_backends(cx, file, field, team, &r, clusters);
+    let timeouts = route_timeouts(cx, file, field, owner, &r);
+    let max_body_bytes = route_body_limit(cx, file, field, owner, &r);
+    let at = RouteAt { file, field, team, methods: &methods, path: &path, max_body_bytes };
+    let compress = route_compress(cx, file, field, owner, &r);
+    let grpc = r.grpc.as_ref().and_then(|g| route_grpc(cx, &at, g, kind, &r, clusters));
+    let validate = r.validate.as_ref().map(|v| route_validation(cx, &at, v));
+    let refused = validate.as_ref().is_some_and(Option::is_none);
+    let validate = validate.flatten();
+    // A validated or transcoded body is read whole before the request goes on.
+    let buffer_body = r.buffer_body || validate.as_ref().is_some_and(|v| v.body.is_some()) || grpc.is_some();
+    if r.grpc.is_some() && r.validate.is_some() {
+        cx.error(
+            file,
+            format!("{field}.grpc"),
+            "a route validates against OpenAPI or transcodes to gRPC, not both",
+            owner,
+        );
+    }
+
+    let rewrite = route_rewrite(cx, file, field, owner, &r);
+    let filters = route_filters(cx, file, field, team, &r);
+    let auth = route_auth(cx, file, field, team, &r);
+    let rate_limit = route_rate_limit(cx, file, field, owner, &r);
+    let deprecation = route_deprecation(cx, file, field, owner, &r);
+    let retry = compile_retry(cx, file, field, &r.retry, owner);
+    let priority = r.priority.as_deref().and_then(|p| priority(cx, file, format!("{field}.priority"), p, owner));
+    if refused || cx.diags.len() != before {
+        return None;
+    }
+    Some(Route {
+        id: format!("{team}/{}", r.name),
+        team: team.to_owned(),
+        pool: r.pool,
+        hosts,
+        methods,
+        path,
+        path_kind: match kind {
+            PathKind::Exact => PathMatchKind::Exact,
+            PathKind::Prefix => PathMatchKind::Prefix,
+        },
+        version,
+        backends,
+        split_header,
+        timeouts,
+        max_body_bytes,
+        rewrite,
+        filters,
+        deprecation,
+        public: r.public,
+        buffer_body,
+        auth,
+        rate_limit,
+        retry,
+        priority,
+        validate,
+        compress,
+        grpc,
+    })
+}
+
+/// What a route matches on: hosts, methods, path and its kind, version header.
+struct RouteMatch {
+    hosts: Vec<String>,
+    methods: Vec<String>,
+    path: String,
+    kind: PathKind,
+    version: Option<VersionMatch>,
+}
+
+/// A route's `match:` and `hostnames:`, checked as the router will read them.
+fn route_match(cx: &mut Ctx, file: &Path, field: &str, team: &str, r: &RouteDoc) -> RouteMatch {
+    let owner = Some(team);
     let hosts: Vec<String> = r.hostnames.clone();
     let methods: Vec<String> = r.matches.methods.clone();
     let path = r.matches.path.value.clone();
@@ -87,11 +164,16 @@ pub(crate) fn compile_route(
         };
         cx.error(file, format!("{field}.{sub}"), e.to_string(), owner);
     }
+    RouteMatch { hosts, methods, path, kind, version }
+}
 
-    // Ownership: every host (or "*" for a route on any host) and the path prefix.
+/// Ownership: every host (or "*" for a route on any host) and the path prefix belong to
+/// the route's team.
+fn check_ownership(cx: &mut Ctx, file: &Path, field: &str, team: &str, hosts: &[String], path: &str, owners: &[Owner]) {
+    let owner = Some(team);
     let claim_hosts: Vec<&str> = if hosts.is_empty() { vec!["*"] } else { hosts.iter().map(String::as_str).collect() };
     for h in claim_hosts {
-        match owner_of(owners, h, &path) {
+        match owner_of(owners, h, path) {
             Some(o) if o.team == team => {}
             Some(o) => cx.error(
                 file,
@@ -107,8 +189,19 @@ pub(crate) fn compile_route(
             ),
         }
     }
+}
 
-    // Backends.
+/// A route's `backendRefs:` (known clusters the team may use, weights that add up) and
+/// its `stickyHeader:`.
+fn route_backends(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    team: &str,
+    r: &RouteDoc,
+    clusters: &BTreeMap<String, Cluster>,
+) -> (Vec<WeightedBackend>, Option<String>) {
+    let owner = Some(team);
     if r.backend_refs.is_empty() {
         cx.error(file, format!("{field}.backendRefs"), "a route needs at least one backend", owner);
     }
@@ -141,8 +234,11 @@ pub(crate) fn compile_route(
     {
         cx.error(file, format!("{field}.stickyHeader"), format!("{h:?} is not a header name"), owner);
     }
+    (backends, split_header)
+}
 
-    // Timeouts.
+/// A route's `timeouts:`; the body's whole time must outlast the wait for the answer.
+fn route_timeouts(cx: &mut Ctx, file: &Path, field: &str, owner: Option<&str>, r: &RouteDoc) -> Timeouts {
     let ms = |sub: &str, v: &str, cx: &mut Ctx| match parse_ms(v) {
         Ok(ms) => ms,
         Err(e) => {
@@ -164,7 +260,11 @@ pub(crate) fn compile_route(
         // Counted from the request's start, it would cut every answer that came late.
         cx.error(file, format!("{field}.timeouts.bodyTotal"), "must be longer than timeouts.response", owner);
     }
+    timeouts
+}
 
+/// A route's `maxBodyBytes:`, within the platform maximum and, for a buffered body, 1 MiB.
+fn route_body_limit(cx: &mut Ctx, file: &Path, field: &str, owner: Option<&str>, r: &RouteDoc) -> u64 {
     let max_body_bytes = r.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES);
     if max_body_bytes > MAX_BODY_LIMIT {
         cx.error(file, format!("{field}.maxBodyBytes"), "over the platform maximum of 1 GiB", owner);
@@ -172,8 +272,18 @@ pub(crate) fn compile_route(
     if r.buffer_body && max_body_bytes > postern_model::MAX_BUFFERED_BODY_BYTES {
         cx.error(file, format!("{field}.bufferBody"), "a buffered body needs maxBodyBytes of at most 1 MiB", owner);
     }
-    let at = RouteAt { file, field, team, methods: &methods, path: &path, max_body_bytes };
-    let compress = match &r.compress {
+    max_body_bytes
+}
+
+/// A route's `compress:`: off, on with the default threshold, or on from `minBytes`.
+fn route_compress(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    owner: Option<&str>,
+    r: &RouteDoc,
+) -> Option<postern_model::Compress> {
+    match &r.compress {
         None | Some(CompressDoc::On(false)) => None,
         Some(CompressDoc::On(true)) => {
             Some(postern_model::Compress { min_bytes: postern_model::DEFAULT_COMPRESS_MIN_BYTES })
@@ -185,22 +295,11 @@ pub(crate) fn compile_route(
             }
             Some(postern_model::Compress { min_bytes })
         }
-    };
-    let grpc = r.grpc.as_ref().and_then(|g| route_grpc(cx, &at, g, kind, &r, clusters));
-    let validate = r.validate.as_ref().map(|v| route_validation(cx, &at, v));
-    let refused = validate.as_ref().is_some_and(Option::is_none);
-    let validate = validate.flatten();
-    // A validated or transcoded body is read whole before the request goes on.
-    let buffer_body = r.buffer_body || validate.as_ref().is_some_and(|v| v.body.is_some()) || grpc.is_some();
-    if r.grpc.is_some() && r.validate.is_some() {
-        cx.error(
-            file,
-            format!("{field}.grpc"),
-            "a route validates against OpenAPI or transcodes to gRPC, not both",
-            owner,
-        );
     }
+}
 
+/// A route's `rewrite:`: exactly one kind, with a canonical result.
+fn route_rewrite(cx: &mut Ctx, file: &Path, field: &str, owner: Option<&str>, r: &RouteDoc) -> Option<PathRewrite> {
     let rewrite = match &r.rewrite {
         None => None,
         Some(rw) => match (&rw.replace_prefix_match, &rw.replace_full_path) {
@@ -225,7 +324,12 @@ pub(crate) fn compile_route(
     {
         cx.error(file, format!("{field}.rewrite"), e.to_string(), owner);
     }
+    rewrite
+}
 
+/// A route's filters in order: the header filters, then its Wasm filters.
+fn route_filters(cx: &mut Ctx, file: &Path, field: &str, team: &str, r: &RouteDoc) -> Vec<FilterSpec> {
+    let owner = Some(team);
     let mut filters = Vec::new();
     for (kind, sub, cfg) in [
         ("request-headers", "requestHeaders", &r.request_headers),
@@ -245,9 +349,18 @@ pub(crate) fn compile_route(
             filters.push(spec);
         }
     }
+    filters
+}
 
-    let auth = route_auth(cx, file, field, team, &r);
-    let rate_limit = r.rate_limit.as_ref().map(|rl| {
+/// A route's `rateLimit:`: on an authenticated route, a named class, a cost of 1 to 1000.
+fn route_rate_limit(
+    cx: &mut Ctx,
+    file: &Path,
+    field: &str,
+    owner: Option<&str>,
+    r: &RouteDoc,
+) -> Option<postern_model::RouteRate> {
+    r.rate_limit.as_ref().map(|rl| {
         if r.auth.is_none() {
             cx.error(file, format!("{field}.rateLimit"), "rate limits need an authenticated route (auth)", owner);
         }
@@ -260,9 +373,12 @@ pub(crate) fn compile_route(
             cx.error(file, format!("{field}.rateLimit.cost"), "cost is 1 to 1000", owner);
         }
         postern_model::RouteRate { class, cost }
-    });
+    })
+}
 
-    let deprecation = r.deprecation.as_ref().map(|d| {
+/// A route's `deprecation:`: its dates and an http(s) link.
+fn route_deprecation(cx: &mut Ctx, file: &Path, field: &str, owner: Option<&str>, r: &RouteDoc) -> Option<Deprecation> {
+    r.deprecation.as_ref().map(|d| {
         let date = |sub: &str, v: &Option<String>, cx: &mut Ctx| {
             v.as_ref().and_then(|s| match parse_date(s) {
                 Ok(t) => Some(t),
@@ -280,41 +396,6 @@ pub(crate) fn compile_route(
             cx.error(file, format!("{field}.deprecation.link"), "must be an http(s) URL", owner);
         }
         Deprecation { since, sunset, link: d.link.clone() }
-    });
-
-    let retry = compile_retry(cx, file, field, &r.retry, owner);
-    let priority = r.priority.as_deref().and_then(|p| priority(cx, file, format!("{field}.priority"), p, owner));
-    if refused || cx.diags.len() != before {
-        return None;
-    }
-    Some(Route {
-        id: format!("{team}/{}", r.name),
-        team: team.to_owned(),
-        pool: r.pool,
-        hosts,
-        methods,
-        path,
-        path_kind: match kind {
-            PathKind::Exact => PathMatchKind::Exact,
-            PathKind::Prefix => PathMatchKind::Prefix,
-        },
-        version,
-        backends,
-        split_header,
-        timeouts,
-        max_body_bytes,
-        rewrite,
-        filters,
-        deprecation,
-        public: r.public,
-        buffer_body,
-        auth,
-        rate_limit,
-        retry,
-        priority,
-        validate,
-        compress,
-        grpc,
     })
 }
 

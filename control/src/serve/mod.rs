@@ -238,29 +238,77 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     }
 }
 
+/// One request's caller and query, as the endpoint groups read them.
+struct Call<'a> {
+    /// The caller's token.
+    who: &'a TokenEntry,
+    /// The request's path.
+    path: &'a str,
+    /// The request's query string (empty without one).
+    query: &'a str,
+}
+
+impl Call<'_> {
+    /// The caller's role.
+    fn role(&self) -> &Role {
+        &self.who.role
+    }
+
+    /// The first value of the query parameter `name`.
+    fn param(&self, name: &str) -> Option<String> {
+        self.query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=').map(str::to_owned))
+    }
+
+    /// The seconds given in the query parameter `name` (else `default`), at most [`MAX_WAIT_S`].
+    fn wait(&self, name: &str, default: u64) -> Duration {
+        Duration::from_secs(self.param(name).and_then(|v| v.parse().ok()).unwrap_or(default).min(MAX_WAIT_S))
+    }
+
+    /// The answer when no endpoint of the path admits the caller's role: 403 under
+    /// `/v1/`, else 404.
+    fn refused(&self, method: &Method, parts: &[&str]) -> Response<Body> {
+        match parts {
+            ["v1", ..] => error(StatusCode::FORBIDDEN, format!("role {} may not {method} {}", self.role(), self.path)),
+            _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+        }
+    }
+}
+
 impl Server {
+    /// One request: the caller by its bearer token, then the endpoint by path, method and
+    /// role, in groups: delivery to nodes, keys and tracing, usage, and the repository's
+    /// versions.
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let Some(who) = self.who(&req).cloned() else {
             return error(StatusCode::UNAUTHORIZED, "a valid bearer token is required");
         };
         let path = req.uri().path().to_owned();
         let query = req.uri().query().unwrap_or_default().to_owned();
-        let param = |name: &str| -> Option<String> {
-            query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=').map(str::to_owned))
-        };
         let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        let role = &who.role;
-        let is_node = role.is_node();
+        let call = Call { who: &who, path: &path, query: &query };
         if let ["v1", "nodes", node, ..] = parts.as_slice()
-            && is_node
-            && !role.speaks_for(node)
+            && call.role().is_node()
+            && !call.role().speaks_for(node)
         {
             return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {node}"));
         }
-        match (req.method().clone(), parts.as_slice()) {
+        match parts.as_slice() {
+            ["v1", "nodes" | "modules", ..] => self.delivery_endpoint(&call, &parts, req).await,
+            ["v1", "keys" | "deny" | "trace", ..] => self.key_endpoint(&call, &parts, req).await,
+            ["v1", "usage", ..] => self.usage_endpoint(&call, &parts, req).await,
+            _ => self.version_endpoint(&call, &parts, req).await,
+        }
+    }
+
+    /// `/v1/nodes/<node>/...` and `/v1/modules/<hex>`: long polls, ACKs, usage counters,
+    /// reports, and the filter modules.
+    async fn delivery_endpoint(&self, call: &Call<'_>, parts: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let role = call.role();
+        let is_node = role.is_node();
+        match (req.method().clone(), parts) {
             (Method::GET, ["v1", "nodes", node, lane]) if is_node => {
                 let Some(kind) = Lane::parse(lane) else { return error(StatusCode::NOT_FOUND, "no such lane") };
-                let poll = Poll::from_query(&query);
+                let poll = Poll::from_query(call.query);
                 // What the node runs now (it may have booted from disk, with no ACK).
                 if let Some(running) = poll.running {
                     self.record(node, kind, |lane| lane.version = running);
@@ -308,33 +356,52 @@ impl Server {
                     Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
                 }
             }
-            (Method::POST, ["v1", "keys"]) if *role == Role::Platform => {
-                self.key_request(&who.name, req, param("wait_acks"), Op::Create).await
+            (method, _) => call.refused(&method, parts),
+        }
+    }
+
+    /// `/v1/keys...`, `/v1/deny` and `/v1/trace`: the key service and per-caller tracing,
+    /// for the platform.
+    async fn key_endpoint(&self, call: &Call<'_>, parts: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let who = call.who;
+        let platform = *call.role() == Role::Platform;
+        match (req.method().clone(), parts) {
+            (Method::POST, ["v1", "keys"]) if platform => {
+                self.key_request(&who.name, req, call.param("wait_acks"), Op::Create).await
             }
-            (Method::POST, ["v1", "keys", "revoke"]) if *role == Role::Platform => {
-                self.key_request(&who.name, req, param("wait_acks"), Op::Revoke).await
+            (Method::POST, ["v1", "keys", "revoke"]) if platform => {
+                self.key_request(&who.name, req, call.param("wait_acks"), Op::Revoke).await
             }
-            (Method::POST, ["v1", "keys", id, "rotate"]) if *role == Role::Platform => {
+            (Method::POST, ["v1", "keys", id, "rotate"]) if platform => {
                 let id = (*id).to_owned();
-                self.key_request(&who.name, req, param("wait_acks"), |b| Op::Rotate(id, b)).await
+                self.key_request(&who.name, req, call.param("wait_acks"), |b| Op::Rotate(id, b)).await
             }
-            (Method::POST, ["v1", "deny"]) if *role == Role::Platform => {
-                self.key_request(&who.name, req, param("wait_acks"), Op::Deny).await
+            (Method::POST, ["v1", "deny"]) if platform => {
+                self.key_request(&who.name, req, call.param("wait_acks"), Op::Deny).await
             }
-            (Method::POST, ["v1", "trace"]) if *role == Role::Platform => {
-                let wait = Duration::from_secs(
-                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
-                );
+            (Method::POST, ["v1", "trace"]) if platform => {
+                let wait = call.wait("wait_acks", 5);
                 match read_json::<trace::TraceBody>(req, JSON_BODY_LIMIT).await {
                     Ok(body) => self.debug_trace(&who.name, body, wait).await,
                     Err(e) => e,
                 }
             }
-            (Method::POST, ["v1", "usage"]) if is_node => self.usage_intake(role, req).await,
-            (Method::GET, ["v1", "usage"]) if !is_node => self.usage_query(role.team(), &query).await,
-            (Method::GET, ["v1", "usage", "totals"]) if *role == Role::Platform => self.usage_totals(&query).await,
-            (Method::POST, ["v1", "usage", "reconcile"]) if *role == Role::Platform => {
-                let Some(period) = param("period").filter(|p| postern_model::usage::parse_month(p).is_some()) else {
+            (method, _) => call.refused(&method, parts),
+        }
+    }
+
+    /// `/v1/usage...`: the intake from nodes, queries, reconciliation, export, events,
+    /// quota flags, the stream's state, refusals and the nodes heard from.
+    async fn usage_endpoint(&self, call: &Call<'_>, parts: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let role = call.role();
+        let platform = *role == Role::Platform;
+        match (req.method().clone(), parts) {
+            (Method::POST, ["v1", "usage"]) if role.is_node() => self.usage_intake(role, req).await,
+            (Method::GET, ["v1", "usage"]) if !role.is_node() => self.usage_query(role.team(), call.query).await,
+            (Method::GET, ["v1", "usage", "totals"]) if platform => self.usage_totals(call.query).await,
+            (Method::POST, ["v1", "usage", "reconcile"]) if platform => {
+                let Some(period) = call.param("period").filter(|p| postern_model::usage::parse_month(p).is_some())
+                else {
                     return error(StatusCode::BAD_REQUEST, "reconcile needs ?period=YYYY-MM");
                 };
                 let now = postern_model::disk::unix_now();
@@ -345,40 +412,45 @@ impl Server {
                 })
                 .await
             }
-            (Method::GET, ["v1", "usage", "export"]) if *role == Role::Platform => {
-                let Some(period) = param("period") else {
+            (Method::GET, ["v1", "usage", "export"]) if platform => {
+                let Some(period) = call.param("period") else {
                     return error(StatusCode::BAD_REQUEST, "export needs ?period=YYYY-MM");
                 };
                 self.usage_export(period).await
             }
-            (Method::GET, ["v1", "usage", "events"]) if *role == Role::Platform => {
-                let after = param("after").and_then(|v| v.parse().ok()).unwrap_or(0u64);
+            (Method::GET, ["v1", "usage", "events"]) if platform => {
+                let after = call.param("after").and_then(|v| v.parse().ok()).unwrap_or(0u64);
                 self.usage_read(move |u| u.events(after, 1000, None).map(|e| serde_json::json!({ "events": e }))).await
             }
-            (Method::GET, ["v1", "usage", "flags"]) if *role == Role::Platform => {
+            (Method::GET, ["v1", "usage", "flags"]) if platform => {
                 let now = postern_model::disk::unix_now();
                 self.usage_read(move |u| u.live_flags(now).map(|f| serde_json::json!({ "over_quota": f }))).await
             }
-            (Method::GET, ["v1", "usage", "stream"]) if *role == Role::Platform => {
-                json(StatusCode::OK, &self.stream.to_json())
-            }
-            (Method::POST, ["v1", "usage", "flags", "lift"]) if *role == Role::Platform => {
-                let caller = match (param("key"), param("app")) {
+            (Method::GET, ["v1", "usage", "stream"]) if platform => json(StatusCode::OK, &self.stream.to_json()),
+            (Method::POST, ["v1", "usage", "flags", "lift"]) if platform => {
+                let caller = match (call.param("key"), call.param("app")) {
                     (Some(k), None) => (k, postern_model::usage::CallerKind::Key),
                     (None, Some(a)) => (a, postern_model::usage::CallerKind::App),
                     _ => return error(StatusCode::BAD_REQUEST, "lift needs ?key=<key id> or ?app=<client_id>"),
                 };
-                let wait = Duration::from_secs(
-                    param("wait_acks").and_then(|v| v.parse().ok()).unwrap_or(5u64).min(MAX_WAIT_S),
-                );
-                self.lift_flags(&who.name, caller, param("product"), wait).await
+                self.lift_flags(&call.who.name, caller, call.param("product"), call.wait("wait_acks", 5)).await
             }
-            (Method::GET, ["v1", "usage", "refusals"]) if *role == Role::Platform => {
+            (Method::GET, ["v1", "usage", "refusals"]) if platform => {
                 self.usage_read(|u| u.refusals().map(|r| serde_json::json!({ "refusals": r }))).await
             }
-            (Method::GET, ["v1", "usage", "nodes"]) if *role == Role::Platform => {
+            (Method::GET, ["v1", "usage", "nodes"]) if platform => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await
             }
+            (method, _) => call.refused(&method, parts),
+        }
+    }
+
+    /// `/v1/status`, `/v1/audit`, `/v1/publish` and `/v1/rollback`: the repository's
+    /// versions and who serves them; and the answer for every path of no endpoint.
+    async fn version_endpoint(&self, call: &Call<'_>, parts: &[&str], req: Request<Incoming>) -> Response<Body> {
+        let role = call.role();
+        let is_node = role.is_node();
+        match (req.method().clone(), parts) {
             (Method::GET, ["v1", "status"]) if !is_node => self.status(role.team()).await,
             (Method::GET, ["v1", "audit"]) if !is_node => match self.store.audit().await {
                 Ok(mut a) => {
@@ -393,20 +465,15 @@ impl Server {
                 Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             },
             (Method::POST, ["v1", "publish"]) if matches!(role, Role::Platform | Role::Team(_)) => {
-                let secs = |name| {
-                    Duration::from_secs(param(name).and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S))
-                };
-                self.publish(&who.name, role.team(), secs("wait_acks"), secs("wait")).await
+                self.publish(&call.who.name, role.team(), call.wait("wait_acks", 0), call.wait("wait", 0)).await
             }
             (Method::POST, ["v1", "rollback"]) if *role == Role::Platform => {
-                let Some(to) = param("to").and_then(|v| v.parse::<u64>().ok()) else {
+                let Some(to) = call.param("to").and_then(|v| v.parse::<u64>().ok()) else {
                     return error(StatusCode::BAD_REQUEST, "rollback needs ?to=<version>");
                 };
-                let wait = param("wait").and_then(|v| v.parse().ok()).unwrap_or(0u64).min(MAX_WAIT_S);
-                self.rollback(&who.name, to, Duration::from_secs(wait)).await
+                self.rollback(&call.who.name, to, call.wait("wait", 0)).await
             }
-            (_, ["v1", ..]) => error(StatusCode::FORBIDDEN, format!("role {role} may not {} {path}", req.method())),
-            _ => error(StatusCode::NOT_FOUND, "no such endpoint"),
+            (method, _) => call.refused(&method, parts),
         }
     }
 }

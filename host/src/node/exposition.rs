@@ -47,36 +47,18 @@ impl Metrics {
             .chain(std::iter::once(("(none)".to_owned(), &self.unrouted)))
             .collect();
 
-        out.push_str("# HELP postern_requests_total Responses sent, by route and status class.\n");
-        out.push_str("# TYPE postern_requests_total counter\n");
-        for (route, m) in &all {
-            for (class, n) in m.by_class.counted() {
-                let _ = writeln!(out, "postern_requests_total{{route=\"{route}\",status=\"{class}\"}} {n}");
-            }
-        }
-        out.push_str("# HELP postern_responses_5xx_total 5xx responses by route and origin: made by the gateway (or a filter) or by the backend.\n");
-        out.push_str("# TYPE postern_responses_5xx_total counter\n");
-        for (route, m) in &all {
-            let total = m.by_class.0[5].load(Ordering::Relaxed);
-            let gateway = m.gateway_5xx.load(Ordering::Relaxed).min(total);
-            let _ = writeln!(out, "postern_responses_5xx_total{{route=\"{route}\",origin=\"gateway\"}} {gateway}");
-            let _ = writeln!(
-                out,
-                "postern_responses_5xx_total{{route=\"{route}\",origin=\"upstream\"}} {}",
-                total - gateway
-            );
-        }
-        out.push_str("# HELP postern_responses_denied_total Refusals by route: 401 (credentials), 403 (scope or plan) and 429 (rate or quota).\n");
-        out.push_str("# TYPE postern_responses_denied_total counter\n");
-        for (route, m) in &all {
-            for (status, c) in DENIED.iter().zip(&m.denied) {
-                let _ = writeln!(
-                    out,
-                    "postern_responses_denied_total{{route=\"{route}\",status=\"{status}\"}} {}",
-                    c.load(Ordering::Relaxed)
-                );
-            }
-        }
+        render_route_counters(&mut out, &all);
+        self.render_pools_and_plans(&mut out);
+        render_route_latency(&mut out, &all);
+        self.render_backends(&mut out);
+        self.render_gateway_errors(&mut out);
+        self.render_filters(&mut out);
+        self.render_gauges(&mut out);
+        out
+    }
+
+    /// Responses by listener pool and by plan, each by status class.
+    fn render_pools_and_plans(&self, out: &mut String) {
         out.push_str("# HELP postern_pool_requests_total Responses by listener pool and status class.\n");
         out.push_str("# TYPE postern_pool_requests_total counter\n");
         for (pool, c) in ["public", "partner"].iter().zip(&self.pools) {
@@ -93,16 +75,10 @@ impl Metrics {
                 let _ = writeln!(out, "postern_plan_requests_total{{plan=\"{plan}\",status=\"{class}\"}} {n}");
             }
         }
-        out.push_str("# HELP postern_request_duration_seconds Time from request to response head.\n");
-        out.push_str("# TYPE postern_request_duration_seconds histogram\n");
-        for (route, m) in &all {
-            m.latency.render(&mut out, "postern_request_duration_seconds", &format!("route=\"{route}\""));
-        }
-        out.push_str("# HELP postern_added_latency_seconds Time the gateway added on top of the backend.\n");
-        out.push_str("# TYPE postern_added_latency_seconds histogram\n");
-        for (route, m) in &all {
-            m.added.render(&mut out, "postern_added_latency_seconds", &format!("route=\"{route}\""));
-        }
+    }
+
+    /// Responses and their time on routes split across backends (none without such a route).
+    fn render_backends(&self, out: &mut String) {
         let backends: Vec<(BackendKey, Arc<RouteMetrics>)> = {
             let map = self.backends.lock().unwrap_or_else(|p| p.into_inner());
             map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -123,14 +99,22 @@ impl Metrics {
             out.push_str("# TYPE postern_backend_request_duration_seconds histogram\n");
             for ((route, backend), m) in &backends {
                 let labels = format!("route=\"{}\",backend=\"{}\"", escape(route), escape(backend));
-                m.latency.render(&mut out, "postern_backend_request_duration_seconds", &labels);
+                m.latency.render(out, "postern_backend_request_duration_seconds", &labels);
             }
         }
+    }
+
+    /// Responses the gateway made itself, by problem code.
+    fn render_gateway_errors(&self, out: &mut String) {
         out.push_str("# HELP postern_gateway_errors_total Responses the gateway made itself, by code.\n");
         out.push_str("# TYPE postern_gateway_errors_total counter\n");
         for (code, c) in PROBLEM_CODES.iter().zip(self.problems.iter()) {
             let _ = writeln!(out, "postern_gateway_errors_total{{code=\"{code}\"}} {}", c.load(Ordering::Relaxed));
         }
+    }
+
+    /// Wasm filter calls, fuel and time by route and filter (none without a filter called).
+    fn render_filters(&self, out: &mut String) {
         let filters: Vec<(FilterKey, Arc<FilterStats>)> = {
             let map = self.filters.lock().unwrap_or_else(|p| p.into_inner());
             map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -143,9 +127,13 @@ impl Metrics {
             out.push_str("# HELP postern_filter_duration_seconds Wasm filter call time, instantiation included.\n");
             out.push_str("# TYPE postern_filter_duration_seconds histogram\n");
             for ((route, name), stats) in &filters {
-                stats.render(&mut out, &format!("route=\"{}\",filter=\"{}\"", escape(route), escape(name)));
+                stats.render(out, &format!("route=\"{}\",filter=\"{}\"", escape(route), escape(name)));
             }
         }
+    }
+
+    /// The node's gauges and counters of snapshots, credential states, connections and files.
+    fn render_gauges(&self, out: &mut String) {
         let gauges = [
             ("postern_snapshot_version", "gauge", "Version of the running snapshot.", &self.snapshot_version),
             ("postern_snapshot_reloads_total", "counter", "Snapshots applied.", &self.reloads_ok),
@@ -192,7 +180,51 @@ impl Metrics {
         for (name, kind, help, v) in gauges {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}", v.load(Ordering::Relaxed));
         }
-        out
+    }
+}
+
+/// Responses by route: by status class, 5xx by origin, refusals by status.
+fn render_route_counters(out: &mut String, all: &[(String, &RouteMetrics)]) {
+    out.push_str("# HELP postern_requests_total Responses sent, by route and status class.\n");
+    out.push_str("# TYPE postern_requests_total counter\n");
+    for (route, m) in all {
+        for (class, n) in m.by_class.counted() {
+            let _ = writeln!(out, "postern_requests_total{{route=\"{route}\",status=\"{class}\"}} {n}");
+        }
+    }
+    out.push_str("# HELP postern_responses_5xx_total 5xx responses by route and origin: made by the gateway (or a filter) or by the backend.\n");
+    out.push_str("# TYPE postern_responses_5xx_total counter\n");
+    for (route, m) in all {
+        let total = m.by_class.0[5].load(Ordering::Relaxed);
+        let gateway = m.gateway_5xx.load(Ordering::Relaxed).min(total);
+        let _ = writeln!(out, "postern_responses_5xx_total{{route=\"{route}\",origin=\"gateway\"}} {gateway}");
+        let _ =
+            writeln!(out, "postern_responses_5xx_total{{route=\"{route}\",origin=\"upstream\"}} {}", total - gateway);
+    }
+    out.push_str("# HELP postern_responses_denied_total Refusals by route: 401 (credentials), 403 (scope or plan) and 429 (rate or quota).\n");
+    out.push_str("# TYPE postern_responses_denied_total counter\n");
+    for (route, m) in all {
+        for (status, c) in DENIED.iter().zip(&m.denied) {
+            let _ = writeln!(
+                out,
+                "postern_responses_denied_total{{route=\"{route}\",status=\"{status}\"}} {}",
+                c.load(Ordering::Relaxed)
+            );
+        }
+    }
+}
+
+/// Request time and added time by route.
+fn render_route_latency(out: &mut String, all: &[(String, &RouteMetrics)]) {
+    out.push_str("# HELP postern_request_duration_seconds Time from request to response head.\n");
+    out.push_str("# TYPE postern_request_duration_seconds histogram\n");
+    for (route, m) in all {
+        m.latency.render(out, "postern_request_duration_seconds", &format!("route=\"{route}\""));
+    }
+    out.push_str("# HELP postern_added_latency_seconds Time the gateway added on top of the backend.\n");
+    out.push_str("# TYPE postern_added_latency_seconds histogram\n");
+    for (route, m) in all {
+        m.added.render(out, "postern_added_latency_seconds", &format!("route=\"{route}\""));
     }
 }
 

@@ -109,8 +109,23 @@ impl Exchange<'_> {
         gw: &Gateway,
         result: Result<Response<ResponseBody>, Ending>,
     ) -> Response<ResponseBody> {
-        // `Some(code)` when the gateway (or a filter) made the answer.
-        let (mut resp, made) = match result {
+        let (mut resp, made) = self.answer(gw, result);
+        self.stamp(&mut resp);
+        let status = resp.status().as_u16();
+        let total = self.count(gw, status, made.is_some());
+        let Some(seen) = self.seen.take() else { return resp };
+        self.observe(gw, resp, &seen, status, made, total)
+    }
+
+    /// The response for `result`: the backend's, or a filter's or the gateway's own answer
+    /// rendered, with `Some(code)` when the gateway (or a filter) made it (its problem code
+    /// counted).
+    fn answer(
+        &self,
+        gw: &Gateway,
+        result: Result<Response<ResponseBody>, Ending>,
+    ) -> (Response<ResponseBody>, Option<Option<&'static str>>) {
+        match result {
             Ok(resp) => (resp, None),
             Err(Ending::Reply(reply)) => {
                 let code = match &reply {
@@ -127,7 +142,12 @@ impl Exchange<'_> {
                 gw.metrics.problem(p.code);
                 (respond::problem(&p, &self.rid), Some(Some(p.code)))
             }
-        };
+        }
+    }
+
+    /// Stamps what every response carries: no body on a status that forbids one, the
+    /// route's response headers, the rate-limit state and `x-request-id`.
+    fn stamp(&self, resp: &mut Response<ResponseBody>) {
         if matches!(resp.status().as_u16(), 204 | 304) {
             // Statuses that forbid a body go out without one and without a length, on
             // every protocol, whoever made them (a filter's reply, the backend).
@@ -149,10 +169,14 @@ impl Exchange<'_> {
             h.insert(RATELIMIT, state.clone());
         }
         h.insert(X_REQUEST_ID, self.rid.clone());
+    }
+
+    /// Counts the answer (by route, origin, pool, plan, backend, and the caller's usage on
+    /// a metered route) with its time; returns the time from arrival to the response head.
+    fn count(&self, gw: &Gateway, status: u16, made: bool) -> Duration {
         let m = self.route.map_or(&gw.metrics.unrouted, |r| &*r.metrics);
-        let status = resp.status().as_u16();
         m.count(status);
-        m.count_origin(status, made.is_some());
+        m.count_origin(status, made);
         gw.metrics.count_pool(self.pool, status);
         let plan = self.cx.as_ref().and_then(Context::identity).and_then(|i| i.plan.as_ref());
         gw.metrics.count_plan(plan, status);
@@ -183,13 +207,26 @@ impl Exchange<'_> {
             b.count(status);
             b.latency.observe(total);
         }
-        let Some(seen) = self.seen.take() else { return resp };
+        total
+    }
+
+    /// The response, watched to its body's end for the access log and the trace when
+    /// either wants this request; as it is otherwise.
+    fn observe(
+        &self,
+        gw: &Gateway,
+        resp: Response<ResponseBody>,
+        seen: &Seen,
+        status: u16,
+        made: Option<Option<&'static str>>,
+        total: Duration,
+    ) -> Response<ResponseBody> {
         let log = gw.access_log.as_ref().filter(|l| l.wants(status, self.trace));
         let tracer = gw.tracer.as_ref().filter(|t| t.wants(status, self.trace, self.debug()));
         if log.is_none() && tracer.is_none() {
             return resp;
         }
-        let record = self.record(&seen, status, made, total);
+        let record = self.record(seen, status, made, total);
         let (logged, traced) = match (log, tracer) {
             (Some(l), Some(t)) => (Some((record.clone(), l.clone())), Some((self.trace(*record, made), t.clone()))),
             (Some(l), None) => (Some((record, l.clone())), None),
