@@ -107,12 +107,15 @@ pub(crate) enum Command {
         publish_dir: Option<PathBuf>,
         /// The usage store nodes' windows are applied to: a SQLite file, or a PostgreSQL
         /// database (`postgres://…`); default `<store>/usage.db` for a directory store,
-        /// and the store's own database for a PostgreSQL store.
-        #[arg(long, value_name = "FILE|URL")]
+        /// and the store's own database for a PostgreSQL store. A URL with a password
+        /// belongs in POSTERN_USAGE_DB: on the command line it is refused.
+        #[arg(long, value_name = "FILE|URL", env = "POSTERN_USAGE_DB", hide_env_values = true)]
         usage_db: Option<String>,
         /// Post quota events (a caller passed 80 % or 100 % of its plan's quota) to this
-        /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer).
-        #[arg(long, value_name = "URL")]
+        /// http:// URL, as CloudEvents JSON; retried until taken (a 2xx answer). A URL with
+        /// a credential (a password, a `token=` or `sig=` parameter) belongs in
+        /// POSTERN_QUOTA_WEBHOOK: on the command line it is refused.
+        #[arg(long, value_name = "URL", env = "POSTERN_QUOTA_WEBHOOK", hide_env_values = true)]
         quota_webhook: Option<String>,
         /// Also consume nodes' usage windows from Kafka (`host:port,...`; nodes started
         /// with the same --usage-kafka write them there), as a consumer group; the topic
@@ -135,6 +138,10 @@ pub(crate) enum Command {
         /// repeat for more.
         #[arg(long, value_name = "KEY=VALUE")]
         usage_kafka_option: Vec<String>,
+        /// More librdkafka settings, one `key=value` a line: where secrets go
+        /// (`sasl.password`…), which `--usage-kafka-option` refuses.
+        #[arg(long, value_name = "FILE")]
+        usage_kafka_options_file: Option<PathBuf>,
     },
     /// Usage per key, route and time, from the control plane's usage store; `reconcile`
     /// and `export` close a billing period.

@@ -338,6 +338,29 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuses a URL carrying a credential given on `posternctl serve`'s command line, where
+/// every process of the host can read it: each has an environment variable instead.
+fn secrets_off_the_command_line(
+    store: &str,
+    usage_db: Option<&str>,
+    quota_webhook: Option<&str>,
+) -> Result<(), postern_model::secrets::OnCommandLine> {
+    use postern_model::secrets::{OnCommandLine, in_url, on_command_line};
+    let urls = [
+        ("--store", Some(store), "POSTERN_STORE"),
+        ("--usage-db", usage_db, "POSTERN_USAGE_DB"),
+        ("--quota-webhook", quota_webhook, "POSTERN_QUOTA_WEBHOOK"),
+    ];
+    for (flag, url, instead) in urls {
+        if let Some(what) = url.and_then(in_url)
+            && on_command_line(flag)
+        {
+            return Err(OnCommandLine { flag, what, instead });
+        }
+    }
+    Ok(())
+}
+
 fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -386,11 +409,21 @@ fn main() -> ExitCode {
             usage_kafka_partitions,
             usage_kafka_replication,
             usage_kafka_option,
+            usage_kafka_options_file,
         } => {
-            let options = match postern_model::usage::kafka_options(&usage_kafka_option) {
+            if let Err(e) = secrets_off_the_command_line(&store, usage_db.as_deref(), quota_webhook.as_deref()) {
+                return report(Err(anyhow::anyhow!(e)));
+            }
+            let mut options = match postern_model::usage::kafka_options(&usage_kafka_option) {
                 Ok(o) => o,
                 Err(e) => return report(Err(anyhow::anyhow!(e))),
             };
+            if let Some(file) = &usage_kafka_options_file {
+                match postern_model::usage::kafka_options_file(file) {
+                    Ok(o) => options.extend(o),
+                    Err(e) => return report(Err(anyhow::anyhow!(e))),
+                }
+            }
             let usage_kafka = usage_kafka.map(|brokers| posternctl::serve::UsageKafka {
                 brokers,
                 topic: usage_kafka_topic,

@@ -21,6 +21,7 @@ pub mod net;
 pub use postern_filter_rules::path;
 pub mod protocol;
 pub mod report;
+pub mod secrets;
 pub mod sign;
 #[cfg(feature = "tls")]
 pub mod tls;

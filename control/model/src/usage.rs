@@ -40,19 +40,66 @@ pub const MAX_SEQ: u64 = 1 << 48;
 /// The usage stream's Kafka topic unless told otherwise.
 pub const KAFKA_TOPIC: &str = "postern.usage";
 
-/// A librdkafka setting that is not `key=value`, as given.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("Kafka setting {0:?}: give key=value")]
-pub struct KafkaOptionError(pub String);
+/// A librdkafka setting refused.
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaOptionError {
+    /// Not `key=value`, as given.
+    #[error("Kafka setting {0:?}: give key=value")]
+    Malformed(String),
+    /// A secret (`sasl.password`…) given on the command line.
+    #[error(transparent)]
+    Secret(#[from] crate::secrets::OnCommandLine),
+    /// The settings file cannot be read.
+    #[error("Kafka settings file {path}: {error}")]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        error: std::io::Error,
+    },
+}
 
-/// Parses `key=value` librdkafka settings (`--usage-kafka-option`).
+/// The largest Kafka settings file read: 64 KiB.
+pub const KAFKA_OPTIONS_FILE_CAP: u64 = 64 << 10;
+
+fn kafka_option(o: &str) -> Result<(String, String), KafkaOptionError> {
+    match o.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(KafkaOptionError::Malformed(o.to_owned())),
+    }
+}
+
+/// Parses `key=value` librdkafka settings given on the command line
+/// (`--usage-kafka-option`); a secret among them is refused, since every process of the
+/// host can read a command line: it belongs in `--usage-kafka-options-file`.
 pub fn kafka_options(options: &[String]) -> Result<Vec<(String, String)>, KafkaOptionError> {
     options
         .iter()
-        .map(|o| match o.split_once('=') {
-            Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
-            _ => Err(KafkaOptionError(o.clone())),
+        .map(|o| {
+            let (k, v) = kafka_option(o)?;
+            if crate::secrets::kafka_setting(&k) {
+                return Err(crate::secrets::OnCommandLine {
+                    flag: "--usage-kafka-option",
+                    what: format!("the secret setting {k:?}"),
+                    instead: "--usage-kafka-options-file (key=value lines, readable only by this service)",
+                }
+                .into());
+            }
+            Ok((k, v))
         })
+        .collect()
+}
+
+/// Reads librdkafka settings from a file of `key=value` lines (`#` starts a comment line),
+/// where secrets belong: a regular file of at most 64 KiB.
+pub fn kafka_options_file(path: &std::path::Path) -> Result<Vec<(String, String)>, KafkaOptionError> {
+    let file = |error| KafkaOptionError::File { path: path.to_owned(), error };
+    let bytes = crate::disk::read_regular(path, KAFKA_OPTIONS_FILE_CAP).map_err(file)?;
+    let text = String::from_utf8(bytes).map_err(|e| file(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| kafka_option(l).map_err(|_| KafkaOptionError::Malformed(format!("{}: a line", path.display()))))
         .collect()
 }
 
@@ -617,11 +664,25 @@ mod tests {
     #[test]
     fn kafka_settings_are_key_value() {
         assert_eq!(
-            kafka_options(&["security.protocol=SSL".into(), "a=b=c".into()]),
-            Ok(vec![("security.protocol".into(), "SSL".into()), ("a".into(), "b=c".into())])
+            kafka_options(&["security.protocol=SSL".into(), "a=b=c".into()]).unwrap(),
+            vec![("security.protocol".to_owned(), "SSL".to_owned()), ("a".to_owned(), "b=c".to_owned())]
         );
         assert!(kafka_options(&["novalue".into()]).is_err());
         assert!(kafka_options(&["=x".into()]).is_err());
+        // A secret setting belongs in the settings file, not on a command line.
+        let e = kafka_options(&["sasl.password=p".into()]).unwrap_err();
+        assert!(matches!(e, KafkaOptionError::Secret(_)), "{e}");
+        assert!(!e.to_string().contains("=p"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("kafka.properties");
+        std::fs::write(&file, "# credentials\n\nsasl.password = p=q\n  sasl.username=u\n").unwrap();
+        assert_eq!(
+            kafka_options_file(&file).unwrap(),
+            vec![("sasl.password".to_owned(), " p=q".to_owned()), ("sasl.username".to_owned(), "u".to_owned())]
+        );
+        std::fs::write(&file, "sasl.password\n").unwrap();
+        let e = kafka_options_file(&file).unwrap_err();
+        assert!(e.to_string().contains("kafka.properties: a line"), "{e}");
     }
 
     #[test]

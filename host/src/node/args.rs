@@ -158,6 +158,11 @@ pub struct Args {
     /// repeat for more.
     #[arg(long, value_name = "KEY=VALUE")]
     pub usage_kafka_option: Vec<String>,
+    /// More librdkafka settings, one `key=value` a line: where secrets go
+    /// (`sasl.password`, `ssl.key.password`…), which `--usage-kafka-option` refuses, since
+    /// every process of the host can read a command line.
+    #[arg(long, value_name = "FILE")]
+    pub usage_kafka_options_file: Option<std::path::PathBuf>,
     /// How often, in seconds, a node on Kafka asks the control plane which of its
     /// windows the usage store lacks (a run is sent again once two asks in a row name it).
     #[arg(long, default_value_t = 30, value_name = "S")]
@@ -255,6 +260,29 @@ enum ArgError {
     Unit(String),
     #[error("{0:?} is out of range")]
     Range(String),
+}
+
+impl Args {
+    /// Refuses a secret given on the command line, where every process of the host can
+    /// read it: a Redis URL with a password (it belongs in POSTERN_RATELIMIT_REDIS), an
+    /// exporter or control URL carrying a credential.
+    pub fn check_secrets(&self) -> Result<(), postern_model::secrets::OnCommandLine> {
+        use postern_model::secrets::{OnCommandLine, in_url, on_command_line};
+        let redis = self.ratelimit_redis.iter().map(|u| ("--ratelimit-redis", u.as_str(), "POSTERN_RATELIMIT_REDIS"));
+        let others = [("--control", self.control.as_deref()), ("--otlp-endpoint", self.otlp_endpoint.as_deref())]
+            .into_iter()
+            .filter_map(|(flag, url)| {
+                Some((flag, url?, "a URL without credentials (tokens go in their own flags' environment or files)"))
+            });
+        for (flag, url, instead) in redis.chain(others) {
+            if let Some(what) = in_url(url)
+                && on_command_line(flag)
+            {
+                return Err(OnCommandLine { flag, what, instead });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A fraction from 0 to 1.

@@ -24,8 +24,8 @@ struct AccessLogSettings {
     sample: f64,
     max_bytes: u64,
     keep: u32,
-    /// The topic, the brokers and their librdkafka settings.
-    kafka: Option<(String, String, Vec<String>)>,
+    /// The topic, the brokers, their librdkafka settings and the settings file.
+    kafka: Option<(String, String, Vec<String>, Option<std::path::PathBuf>)>,
 }
 
 #[derive(Debug, Clone)]
@@ -50,11 +50,9 @@ impl ObserveSettings {
             sample: args.access_log_sample,
             max_bytes: args.access_log_max_size,
             keep: args.access_log_keep,
-            kafka: args
-                .access_log_kafka_topic
-                .clone()
-                .zip(args.usage_kafka.clone())
-                .map(|(topic, brokers)| (topic, brokers, args.usage_kafka_option.clone())),
+            kafka: args.access_log_kafka_topic.clone().zip(args.usage_kafka.clone()).map(|(topic, brokers)| {
+                (topic, brokers, args.usage_kafka_option.clone(), args.usage_kafka_options_file.clone())
+            }),
         });
         let traces =
             args.otlp_endpoint.as_ref().map(|e| TraceExport { endpoint: e.clone(), sample: args.trace_sample });
@@ -77,11 +75,11 @@ impl AccessLogSettings {
         settings.keep = self.keep;
         let topic = self.kafka.as_ref().map(|k| k.0.clone());
         let sink: Option<Box<dyn LineSink>> = match self.kafka {
-            Some((topic, brokers, options)) => {
+            Some((topic, brokers, options, file)) => {
                 let settings = postern_usage::kafka::KafkaSettings {
                     brokers,
                     topic: topic.clone(),
-                    options: postern_model::usage::kafka_options(&options)?,
+                    options: crate::node::usage::kafka_options(&options, file.as_deref())?,
                     missing_poll: Duration::from_secs(30),
                 };
                 let lines = postern_usage::kafka::KafkaLines::new(&settings, &topic, node_id)

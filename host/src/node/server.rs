@@ -57,6 +57,7 @@ async fn shutdown_signal() {
 
 /// Runs the node until SIGTERM or Ctrl-C, then drains.
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    args.check_secrets()?;
     let metrics = Arc::new(Metrics::default());
     let files = files(&args);
     let snapshot_dir = args.snapshot.parent().map(Path::to_path_buf).unwrap_or_default();

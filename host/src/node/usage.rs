@@ -29,10 +29,32 @@ pub struct KafkaStream {
     pub brokers: String,
     /// The topic.
     pub topic: String,
-    /// Further librdkafka settings, `key=value`.
+    /// Further librdkafka settings, `key=value`, from the command line (no secret).
     pub options: Vec<String>,
+    /// A file of more settings, where secrets go.
+    pub options_file: Option<std::path::PathBuf>,
     /// How often the control plane is asked for missing windows.
     pub missing_poll: Duration,
+}
+
+impl KafkaStream {
+    /// The librdkafka settings: the command line's, then the file's.
+    pub fn options(&self) -> Result<Vec<(String, String)>, postern_model::usage::KafkaOptionError> {
+        kafka_options(&self.options, self.options_file.as_deref())
+    }
+}
+
+/// The librdkafka settings of the command line (a secret among them refused) and then of
+/// the settings file.
+pub fn kafka_options(
+    options: &[String],
+    file: Option<&Path>,
+) -> Result<Vec<(String, String)>, postern_model::usage::KafkaOptionError> {
+    let mut all = postern_model::usage::kafka_options(options)?;
+    if let Some(f) = file {
+        all.extend(postern_model::usage::kafka_options_file(f)?);
+    }
+    Ok(all)
 }
 
 impl UsageSettings {
@@ -48,6 +70,7 @@ impl UsageSettings {
                 brokers: brokers.clone(),
                 topic: args.usage_kafka_topic.clone(),
                 options: args.usage_kafka_option.clone(),
+                options_file: args.usage_kafka_options_file.clone(),
                 missing_poll: Duration::from_secs(args.usage_kafka_missing_poll_s.max(1)),
             }),
         })
@@ -72,7 +95,7 @@ impl UsageSettings {
                 let settings = postern_usage::kafka::KafkaSettings {
                     brokers: k.brokers.clone(),
                     topic: k.topic.clone(),
-                    options: postern_model::usage::kafka_options(&k.options)?,
+                    options: k.options()?,
                     missing_poll: k.missing_poll,
                 };
                 Some(Box::new(
