@@ -794,7 +794,7 @@ fn local_pointer(r: &str) -> Result<String, RefError> {
     let Some(fragment) = r.strip_prefix('#') else {
         return Err(RefError::Remote(r.to_owned()));
     };
-    let pointer = percent_decode(fragment).ok_or_else(|| RefError::Fragment(r.to_owned()))?;
+    let pointer = crate::usage::percent_unescape(fragment).ok_or_else(|| RefError::Fragment(r.to_owned()))?;
     if pointer.is_empty() {
         return Err(RefError::Whole(r.to_owned()));
     }
@@ -817,20 +817,6 @@ enum RefError {
         "$ref {0}: anchors are not supported by the gateway's validator (give a JSON pointer like #/components/schemas/Order)"
     )]
     Anchor(String),
-}
-
-/// A fragment percent-decoded; `None` for a `%` not followed by two hex digits
-/// (`percent-encoding` would keep it as it is) or for text that is not UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let malformed = b
-        .iter()
-        .enumerate()
-        .any(|(i, &c)| c == b'%' && !b.get(i + 1..i + 3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)));
-    if malformed {
-        return None;
-    }
-    percent_encoding::percent_decode_str(s).decode_utf8().ok().map(std::borrow::Cow::into_owned)
 }
 
 /// One RFC 6901 reference token.

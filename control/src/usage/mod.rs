@@ -57,7 +57,7 @@ mod tests;
 
 pub use self::db::DbError;
 pub use self::intake::{ApplyError, CLOCK_ALLOWANCE_S, MAX_SEQ_GAP, Refusal};
-pub use self::params::{parse_time, query_escape, query_unescape, rfc3339};
+pub use self::params::{parse_time, percent_unescape, query_escape, query_unescape, rfc3339};
 pub use self::pg::MINUTE_MONTHS;
 pub use self::queries::{
     By, LatencySummary, MAX_ROWS, MAX_TEAM_RANGE_S, NodeWindows, Query, StatusClasses, Total, UsageRow,

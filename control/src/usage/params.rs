@@ -36,7 +36,13 @@ pub fn query_escape(v: &str) -> String {
 /// not followed by two hex digits (`percent-encoding` would keep it as it is) or for a
 /// value that is not UTF-8.
 pub fn query_unescape(v: &str) -> Option<String> {
-    let b = v.as_bytes();
+    percent_unescape(&v.replace('+', " "))
+}
+
+/// Decodes percent-encoded text strictly: `None` for a `%` not followed by two hex digits
+/// (`percent-encoding` would keep it as it is) or for text that is not UTF-8.
+pub fn percent_unescape(s: &str) -> Option<String> {
+    let b = s.as_bytes();
     let malformed = b
         .iter()
         .enumerate()
@@ -44,7 +50,7 @@ pub fn query_unescape(v: &str) -> Option<String> {
     if malformed {
         return None;
     }
-    percent_decode_str(&v.replace('+', " ")).decode_utf8().ok().map(std::borrow::Cow::into_owned)
+    percent_decode_str(s).decode_utf8().ok().map(std::borrow::Cow::into_owned)
 }
 
 #[cfg(test)]
