@@ -61,8 +61,8 @@ pub(crate) fn tick() {
 }
 
 /// CPU time the calling thread has used (user and system): what a filter's deadline
-/// measures. A system call (~0.3 µs here, against ~30 ns for the monotonic clock), so
-/// a call reads it only from its first epoch tick on, or when sampled.
+/// measures on the idle pool. A system call (~0.3 µs here, against ~30 ns for the
+/// monotonic clock), so a call on a worker reads it only when sampled.
 ///
 /// Through the C library rather than rustix: rustix finds and checks the vDSO itself,
 /// which crashes a node run under valgrind (bytecodealliance/rustix#1559), and for a

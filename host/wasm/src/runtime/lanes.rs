@@ -53,6 +53,11 @@ fn sample_cpu() -> bool {
     })
 }
 
+/// Epoch ticks to a worker call's deadline: never reached (about 35 years of ticks, and
+/// far from overflowing the engine's epoch counter), as a worker call is bounded by its
+/// slice, not by time.
+const NO_DEADLINE: u64 = 1 << 40;
+
 /// How long past the wall-clock backstop a request waits for its call on the idle pool
 /// (which is interrupted at the first epoch tick past it) before answering `overloaded`
 /// without it.
@@ -296,16 +301,21 @@ impl Runtime {
 
 /// A fresh store for one call of a request that started at `start`, on `lane`.
 ///
-/// The deadline is CPU time of the thread running the call, checked at each epoch tick
-/// (1 ms): the call is interrupted at the first tick after it used its deadline, so a
-/// thread that was merely descheduled loses nothing. Reading the thread's CPU clock is a
-/// system call: on the idle pool and for `init` it is read when the store is made; on a
-/// worker only from the call's first tick on (most calls end before one and make no
-/// system call; the less than a tick before it goes uncounted, and the slice's fuel and
-/// memory bound a worker's call anyway). On the idle pool a wall-clock backstop
+/// On the idle pool and for `init` the deadline is CPU time of the thread running the
+/// call, read when the store is made and checked at each epoch tick (1 ms): the call is
+/// interrupted at the first tick after it used its deadline, so a thread that was merely
+/// descheduled loses nothing. On the idle pool a wall-clock backstop
 /// ([`Limits::wall_backstop`], from `start`) bounds the call too: past it the call is
-/// `overloaded`. On a worker no wall clock applies, as no host call blocks. The store
-/// keeps the epoch thread ticking while it lives.
+/// `overloaded`.
+///
+/// On a worker the slice bounds the call instead (at most [`SLICE_FUEL`] of guest code,
+/// well under a millisecond, and [`SLICE_MEMORY`] of growth; host calls are few, cheap
+/// and never block), and its CPU clock is not judged: the thread's clock also counts time
+/// that is not the filter's (a vCPU the hypervisor took, the kernel's own work on a
+/// fault), and one such spike must not fail a quick filter's call and send its route to
+/// the idle pool. A call that outruns its slice runs again from the start on the pool,
+/// where its whole deadline is judged. The store keeps the epoch thread ticking while it
+/// lives (the pool's deadlines and the coarse clock).
 pub(super) fn new_store(
     Sandbox { engine, epoch, metering }: Sandbox<'_>,
     lane: Lane,
@@ -346,6 +356,10 @@ pub(super) fn new_store(
     let fuel = if lane == Lane::Worker { limits.fuel.min(SLICE_FUEL) } else { limits.fuel };
     let _ = store.set_fuel(fuel);
     store.data_mut().fuel = fuel;
+    if lane == Lane::Worker {
+        store.set_epoch_deadline(NO_DEADLINE);
+        return store;
+    }
     let cpu_limit = limits.deadline();
     let backstop = if lane == Lane::Pool { start.checked_add(limits.wall_backstop()) } else { None };
     store.epoch_deadline_callback(move |mut cx| {

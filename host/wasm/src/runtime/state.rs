@@ -37,8 +37,9 @@ pub struct State {
     pub(super) panicked: bool,
     /// Fuel the store was given.
     pub(super) fuel: u64,
-    /// The thread's CPU clock ([`crate::clock::thread_cpu`]) when the call started:
-    /// read at the start of a sampled call, else estimated at its first epoch tick.
+    /// The thread's CPU clock ([`crate::clock::thread_cpu`]) when the call started: read
+    /// for a sampled call, and for every call on the idle pool or for `init` (where the
+    /// deadline is judged).
     pub(super) cpu_base: Option<Duration>,
     /// This call's CPU time goes into the filter's CPU histogram.
     pub(super) cpu_sampled: bool,
