@@ -270,6 +270,33 @@ pub(crate) enum UsageAction {
         #[arg(long)]
         product: Option<String>,
     },
+    /// Retire a node from the usage stream (an audited platform decision): its windows
+    /// numbered past `--after` (by default the last it sent) are refused, and no billing
+    /// period waits for its counts or missing windows again. Without --node: list the
+    /// retired nodes.
+    Retire {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// The node's id.
+        #[arg(long)]
+        node: Option<String>,
+        /// Its last window that counts (default: the last the usage store applied).
+        #[arg(long, requires = "node")]
+        after: Option<u64>,
+    },
+    /// Windows that came for a period already final are held, never added on their own:
+    /// list them, or (an audited platform decision) apply them to the period's totals,
+    /// reopening it for the next reconcile, or discard them.
+    Held {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// Apply the period's held windows (YYYY-MM).
+        #[arg(long, value_name = "PERIOD", conflicts_with = "discard")]
+        apply: Option<String>,
+        /// Discard the period's held windows (YYYY-MM).
+        #[arg(long, value_name = "PERIOD")]
+        discard: Option<String>,
+    },
     /// A final period's billing lines: one JSON line per caller and product.
     Export {
         #[command(flatten)]

@@ -487,6 +487,29 @@ fn main() -> ExitCode {
             }
             report(call(&control, "POST", &format!("/v1/usage/flags/lift?{query}")))
         }
+        Command::Usage { action: Some(UsageAction::Retire { control, node, after }), .. } => match node {
+            None => report(call(&control, "GET", "/v1/usage/nodes/retired")),
+            Some(node) => {
+                let mut query = format!("node={}", posternctl::usage::query_escape(&node));
+                if let Some(a) = after {
+                    query.push_str(&format!("&after={a}"));
+                }
+                report(call(&control, "POST", &format!("/v1/usage/nodes/retire?{query}")))
+            }
+        },
+        Command::Usage { action: Some(UsageAction::Held { control, apply, discard }), .. } => match (apply, discard) {
+            (Some(p), _) => report(call(
+                &control,
+                "POST",
+                &format!("/v1/usage/held/apply?period={}", posternctl::usage::query_escape(&p)),
+            )),
+            (None, Some(p)) => report(call(
+                &control,
+                "POST",
+                &format!("/v1/usage/held/discard?period={}", posternctl::usage::query_escape(&p)),
+            )),
+            (None, None) => report(call(&control, "GET", "/v1/usage/held")),
+        },
         Command::Usage { action: Some(UsageAction::Export { control, period }), .. } => {
             report(usage_export(&control, &period))
         }

@@ -501,6 +501,55 @@ async fn a_period_is_final_and_exported_only_once_every_window_is_in() {
         send(Method::POST, &format!("{}/v1/usage/reconcile?period=2026-11", cp.url), &[("authorization", &auth)], "")
             .await;
     assert_eq!(r.status, StatusCode::FORBIDDEN);
+
+    // A window for November, final now, is held: acknowledged (the node ships on), never
+    // added on its own; the export stands until the platform decides.
+    let mut late = window_json(1, DEC - 10, 7);
+    late["node"] = "node-w".into();
+    let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![late])).await;
+    assert_eq!((status, ack["applied"].as_u64()), (StatusCode::OK, Some(1)), "{ack}");
+    assert_eq!(export()[0]["billable"].as_u64(), Some(10), "the final period's bill stands");
+    let held = json_of(&usage(&["held"]));
+    assert_eq!(held["held"][0]["state"], "held", "{held}");
+    assert_eq!((held["held"][0]["parts"].as_u64(), held["held"][0]["calls"].as_u64()), (Some(1), Some(8)), "{held}");
+    let out = usage(&["held", "--discard", "2026-11"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json_of(&out)["decided"].as_u64(), Some(1));
+    let held = json_of(&usage(&["held"]));
+    assert_eq!(
+        (held["held"][0]["state"].as_str(), held["held"][0]["decided_by"].as_str()),
+        (Some("discarded"), Some("alice"))
+    );
+    assert_eq!(export()[0]["billable"].as_u64(), Some(10));
+
+    // A node that sent a window and never reported its counts holds November up (node-w
+    // too), until the platform retires it; past the window it was retired as of, it is
+    // refused.
+    assert!(usage(&["retire", "--node", "node-w"]).status.success());
+    let mut q = window_json(1, DEC - 10, 3);
+    q["node"] = "node-q".into();
+    let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![q.clone()])).await;
+    assert_eq!(status, StatusCode::OK, "{ack}");
+    let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
+    assert_eq!(report["final"], false, "{report}");
+    assert!(report["blocking"].to_string().contains("node node-q has not reported"), "{report}");
+    let out = usage(&["retire", "--node", "node-q"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json_of(&out)["retired"]["after"].as_u64(), Some(1));
+    let report = json_of(&usage(&["reconcile", "--period", "2026-11"]));
+    assert_eq!(report["final"], true, "{report}");
+    assert!(report["waived"].to_string().contains("node node-q has not reported"), "{report}");
+    assert_eq!(export()[0]["billable"].as_u64(), Some(10), "node-q's held window is not billed");
+    q["seq"] = 2.into();
+    q["start"] = (DEC + 60).into();
+    let (status, body) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![q])).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body.to_string().contains("node_retired"), "{body}");
+    assert_eq!(json_of(&usage(&["retire"]))["retired"][0]["node"], "node-q");
+    assert_eq!(json_of(&usage(&["retire"]))["retired"][1]["node"], "node-w");
+    assert!(!usage(&["retire", "--node", "node-q", "--after", "5"]).status.success(), "retired once");
+    let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch(vec![window_json(4, DEC + 60, 1)])).await;
+    assert_eq!((status, ack["applied"].as_u64()), (StatusCode::OK, Some(1)), "other nodes ship on: {ack}");
 }
 
 /// A node that crashed before a month's end and starts again after it: the window it had
@@ -524,10 +573,13 @@ async fn a_node_reports_its_own_counts_of_a_month_once_it_is_complete() {
     let url = format!("{}/v1/usage/reconcile?period=2026-11", cp.url);
     let mut report = serde_json::Value::Null;
     wait_for("November to be final", Duration::from_secs(30), async || {
+        // Asked before the node's first send, the month is final with no node in it;
+        // the recovered window is then held, and the platform applies it (reopening the
+        // month until the next ask).
+        let held = format!("{}/v1/usage/held/apply?period=2026-11", cp.url);
+        send(Method::POST, &held, &[("authorization", &auth)], "").await;
         let r = send(Method::POST, &url, &[("authorization", &auth)], "").await;
         report = serde_json::from_slice(&r.body).unwrap_or_default();
-        // Asked before the node's first send, the month is final with no node in it;
-        // the recovered window then reopens it until the next ask.
         report["final"] == true && report["nodes"].as_array().is_some_and(|n| !n.is_empty())
     })
     .await;

@@ -84,7 +84,7 @@ use self::state::{Body, JSON_BODY_LIMIT, QuotaService, Server, StreamStats, erro
 use crate::keyservice::Op;
 use crate::rollout::RolloutSettings;
 use crate::store::{Lane, Store};
-use crate::usage::UsageStore;
+use crate::usage::{Decision, UsageStore};
 
 /// Serving settings.
 #[derive(Debug, Clone)]
@@ -437,6 +437,32 @@ impl Server {
             }
             (Method::GET, ["v1", "usage", "refusals"]) if platform => {
                 self.usage_read(|u| u.refusals().map(|r| serde_json::json!({ "refusals": r }))).await
+            }
+            (Method::POST, ["v1", "usage", "nodes", "retire"]) if platform => {
+                let node = call.param("node").and_then(|n| crate::usage::percent_unescape(&n));
+                let Some(node) = node.filter(|n| !n.is_empty() && n.len() <= 128) else {
+                    return error(StatusCode::BAD_REQUEST, "retire needs ?node=<node>[&after=<window number>]");
+                };
+                let after = match call.param("after").map(|a| a.parse::<u64>()) {
+                    None => None,
+                    Some(Ok(a)) => Some(a),
+                    Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "after is a window number"),
+                };
+                self.retire_node(&call.who.name, node, after).await
+            }
+            (Method::GET, ["v1", "usage", "nodes", "retired"]) if platform => {
+                self.usage_read(|u| u.retired().map(|r| serde_json::json!({ "retired": r }))).await
+            }
+            (Method::GET, ["v1", "usage", "held"]) if platform => {
+                self.usage_read(|u| u.held().map(|h| serde_json::json!({ "held": h }))).await
+            }
+            (Method::POST, ["v1", "usage", "held", verb @ ("apply" | "discard")]) if platform => {
+                let Some(period) = call.param("period").filter(|p| postern_model::usage::parse_month(p).is_some())
+                else {
+                    return error(StatusCode::BAD_REQUEST, "held windows are decided per ?period=YYYY-MM");
+                };
+                let decision = if *verb == "apply" { Decision::Apply } else { Decision::Discard };
+                self.decide_held(&call.who.name, period, decision).await
             }
             (Method::GET, ["v1", "usage", "nodes"]) if platform => {
                 self.usage_read(|u| u.nodes().map(|n| serde_json::json!({ "nodes": n }))).await

@@ -14,7 +14,7 @@ use postern_model::usage::{CallerKind, Window};
 
 use super::role::Role;
 use super::state::{Body, Server, error, json, read_json};
-use crate::usage::{ApplyError, By, Query, UsageStore};
+use crate::usage::{ApplyError, By, Decision, Query, UsageStore};
 
 /// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
 /// larger (a busy node's 10 s of distinct callers × routes).
@@ -157,6 +157,47 @@ impl Server {
                 "credentials": {"version": version, "acked": acked, "stale": stale},
             }),
         )
+    }
+
+    /// `POST /v1/usage/nodes/retire?node=N[&after=SEQ]`: the platform retires a node (as
+    /// its token's name) as of its window `after` (by default the last it applied): its
+    /// later windows are refused, and no period waits for it again.
+    pub(super) async fn retire_node(&self, who: &str, node: String, after: Option<u64>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let (now, by) = (postern_model::disk::unix_now(), who.to_owned());
+        match store.run(move |s| s.retire(&node, after, &by, now)).await {
+            Ok(Ok(Ok(r))) => {
+                say!("usage: node {} retired as of window {} by {}", r.node, r.after, r.by);
+                json(StatusCode::OK, &serde_json::json!({ "retired": r }))
+            }
+            Ok(Ok(Err(why))) => error(StatusCode::CONFLICT, why),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    }
+
+    /// `POST /v1/usage/held/apply|discard?period=P`: the platform decides what becomes of
+    /// the windows held because `period` was final when they came (as its token's name).
+    pub(super) async fn decide_held(&self, who: &str, period: String, decision: Decision) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let quotas = match self.quotas().await {
+            Ok(q) => q,
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("quotas: {e}")),
+        };
+        let (now, by, p) = (postern_model::disk::unix_now(), who.to_owned(), period.clone());
+        match store.run(move |s| s.decide_held(&p, decision, &by, now, &quotas)).await {
+            Ok(Ok(parts)) => {
+                say!("usage: {parts} held window parts of {period}: {decision:?} by {who}");
+                self.quota.wake.notify_one();
+                json(StatusCode::OK, &serde_json::json!({ "period": period, "decided": parts }))
+            }
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
     }
 
     /// Runs `f` on the usage store off the async workers.

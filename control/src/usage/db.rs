@@ -123,6 +123,14 @@ impl DbRow {
         }
     }
 
+    /// Column `i`, text or NULL.
+    pub(crate) fn opt_text(&self, i: usize) -> Result<Option<String>, DbError> {
+        match self.at(i)? {
+            Val::Null => Ok(None),
+            _ => self.text(i).map(Some),
+        }
+    }
+
     /// Column `i`, bytes.
     pub(crate) fn blob(&self, i: usize) -> Result<Vec<u8>, DbError> {
         match self.at(i)? {

@@ -7,6 +7,7 @@ use postern_model::protocol::{Missing, UsageAck};
 use postern_model::usage::{LATENCY_BUCKETS, Row, Window, WindowError, month_period};
 
 use super::db::{DbError, Engine, Lock, Sql, TxError, add, i64_of, int, vals};
+use super::decide::{hold_final, retired_of};
 use super::quota::{Quotas, use_quota};
 use super::store::{UsageStore, hist_cols};
 
@@ -174,6 +175,14 @@ fn could_have_counted(sql: &mut dyn Sql, w: &Window, now: u64) -> Result<(), App
             format!("starts at {} s, {} s ahead of the control plane's clock", w.start, w.start - now),
         ));
     }
+    if let Some(r) = retired_of(sql, &w.node)?
+        && w.seq > r.after
+    {
+        return Err(refuse(
+            "node_retired",
+            format!("the node was retired as of window {} by {} at {}", r.after, r.by, r.at),
+        ));
+    }
     let seq = i64_of(w.seq)?;
     let top = sql
         .row("SELECT seq FROM applied WHERE node = ?1 AND seq <> ?2 ORDER BY seq DESC LIMIT 1", &vals![&w.node, seq])?
@@ -308,15 +317,18 @@ fn apply_in(sql: &mut dyn Sql, windows: &[Window], now: u64, quotas: &Quotas) ->
         ack.applied += 1;
         fresh.extend(parts.into_iter().filter(|w| new.contains(&w.part)));
     }
-    // A window of a period already final reopens it: the export waits for the next
-    // reconcile.
-    let periods: BTreeSet<String> = fresh.iter().map(|w| month_period(w.start).0).collect();
-    for period in &periods {
-        sql.exec(
-            "UPDATE periods SET final_at = NULL, late = late + 1 WHERE period = ?1 AND final_at IS NOT NULL",
-            &vals![period],
-        )?;
+    // A window of a period already final is held for the platform's decision, never
+    // added on its own: the period's export may have gone out.
+    let fresh = hold_final(sql, fresh, now)?;
+    add_rows(sql, &fresh, now, quotas)?;
+    for node in nodes {
+        ack.missing.extend(advance(sql, node)?);
     }
+    Ok(ack)
+}
+
+/// Adds the rows of `fresh` parts (each new) to the quota use, totals and minutes.
+pub(crate) fn add_rows(sql: &mut dyn Sql, fresh: &[Window], now: u64, quotas: &Quotas) -> Result<(), ApplyError> {
     // Quota use first, by caller (each caller's rows in their order: its overshoot
     // depends on it), then the sums in key order.
     let mut rows: Vec<(&Window, &Row)> = fresh.iter().flat_map(|w| w.rows.iter().map(move |r| (w, r))).collect();
@@ -347,10 +359,7 @@ fn apply_in(sql: &mut dyn Sql, windows: &[Window], now: u64, quotas: &Quotas) ->
     }
     upsert_totals(sql, &totals)?;
     upsert_minutes(sql, &minutes)?;
-    for node in nodes {
-        ack.missing.extend(advance(sql, node)?);
-    }
-    Ok(ack)
+    Ok(())
 }
 
 /// `VALUES (?1, …, ?k), (?k+1, …)`: `rows` tuples of `k` placeholders.

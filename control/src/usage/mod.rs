@@ -36,6 +36,7 @@
 //! db.rs         the seam: SQL with `?N` placeholders on SQLite or PostgreSQL
 //! pg.rs         PostgreSQL: its schema, its pool, the monthly partitions of minutes
 //! intake.rs     nodes' windows applied once, and the numbers still missing
+//! decide.rs     the platform's decisions: a node retired, windows held for a final period
 //! queries.rs    what the usage API reads: rows by minute, day or route; totals; nodes
 //! reconcile.rs  a period compared with the nodes' own counts, corrected and made final
 //! quota.rs      who is on which quota, its use, its events and over-quota flags
@@ -44,6 +45,7 @@
 //! ```
 
 mod db;
+mod decide;
 mod intake;
 mod params;
 mod pg;
@@ -56,6 +58,7 @@ mod store;
 mod tests;
 
 pub use self::db::DbError;
+pub use self::decide::{Decision, Held, Retired};
 pub use self::intake::{ApplyError, CLOCK_ALLOWANCE_S, MAX_SEQ_GAP, Refusal};
 pub use self::params::{parse_time, percent_unescape, query_escape, query_unescape, rfc3339};
 pub use self::pg::MINUTE_MONTHS;

@@ -219,7 +219,14 @@ impl Pool {
                 PRIMARY KEY (node, period, caller, kind, product));
              CREATE TABLE IF NOT EXISTS refusals (
                 node TEXT NOT NULL, rule TEXT NOT NULL, count BIGINT NOT NULL, last_at BIGINT NOT NULL,
-                last_seq BIGINT NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule));"
+                last_seq BIGINT NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule));
+             CREATE TABLE IF NOT EXISTS retired (
+                node TEXT NOT NULL PRIMARY KEY, after_seq BIGINT NOT NULL, at BIGINT NOT NULL, by TEXT NOT NULL);
+             CREATE TABLE IF NOT EXISTS held (
+                node TEXT NOT NULL, seq BIGINT NOT NULL, part BIGINT NOT NULL, period TEXT NOT NULL,
+                calls BIGINT NOT NULL, received BIGINT NOT NULL, raw BYTEA NOT NULL, state TEXT NOT NULL,
+                decided_by TEXT, decided_at BIGINT, PRIMARY KEY (node, seq, part));
+             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);"
         );
         // Two control planes starting at once may race on CREATE ... IF NOT EXISTS: the
         // loser sees a unique violation in the catalog and tries again.

@@ -8,6 +8,7 @@ use postern_model::usage::{NodeCounters, Window};
 use serde::Serialize;
 
 use super::db::{DbError, Lock, Sql, add, i64_of, int, vals};
+use super::decide::retired_of;
 use super::intake::gaps;
 use super::params::rfc3339;
 use super::queries::{Total, totals_in};
@@ -105,6 +106,7 @@ fn reconcile_in(sql: &mut dyn Sql, period: &str, (start, end): (u64, u64), now: 
         counted.entry(r.text(0)?).or_default();
     }
     let mut nodes = Vec::with_capacity(counted.len());
+    let mut waived = Vec::new();
     for (node, (windows, calls)) in counted {
         let last_start = sql.row("SELECT MAX(start) FROM applied WHERE node = ?1", &vals![&node])?;
         let last_start = last_start.map(|r| r.opt_int(0)).transpose()?.flatten();
@@ -117,7 +119,11 @@ fn reconcile_in(sql: &mut dyn Sql, period: &str, (start, end): (u64, u64), now: 
             own_calls: None,
             corrected: 0,
             counted_less: 0,
+            retired_after: None,
         };
+        // A retired node holds up no period: what the store has of it stands.
+        pn.retired_after = retired_of(sql, &node)?.map(|r| r.after);
+        let blocking = if pn.retired_after.is_some() { &mut waived } else { &mut blocking };
         let Some(own) = counters_of(sql, &node, period)? else {
             blocking.push(format!(
                 "node {node} has not reported its own counts of {period} (it does once every window before the period's end is spooled)"
@@ -168,6 +174,7 @@ fn reconcile_in(sql: &mut dyn Sql, period: &str, (start, end): (u64, u64), now: 
         is_final: final_at.is_some(),
         final_at: final_at.map(rfc3339),
         blocking,
+        waived,
         nodes,
         callers,
         billable,
@@ -193,13 +200,17 @@ pub struct Reconciled {
     pub final_at: Option<String>,
     /// What keeps it from being final.
     pub blocking: Vec<String>,
+    /// What would keep it from being final but for the retirement of the node it names.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub waived: Vec<String>,
     /// Every node that counted calls in it.
     pub nodes: Vec<PeriodNode>,
     /// Callers (key or app, and product) with calls in it.
     pub callers: u64,
     /// Billable calls in it.
     pub billable: u64,
-    /// Windows that arrived after it was final (each reopened it).
+    /// Window parts that came after it was final, held, and applied by the platform
+    /// (each time reopening it).
     pub late_windows: u64,
 }
 
@@ -224,6 +235,9 @@ pub struct PeriodNode {
     /// Calls the store applied beyond the node's own counts (its counters file was lost
     /// and counted again from what its spool still held): the store's count stands.
     pub counted_less: u64,
+    /// The node was retired as of this window: the period does not wait for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retired_after: Option<u64>,
 }
 
 /// A node's reported counters of `period`.

@@ -185,7 +185,15 @@ impl UsageStore {
                 PRIMARY KEY (node, period, caller, kind, product)) WITHOUT ROWID;
              CREATE TABLE IF NOT EXISTS refusals (
                 node TEXT NOT NULL, rule TEXT NOT NULL, count INTEGER NOT NULL, last_at INTEGER NOT NULL,
-                last_seq INTEGER NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule)) WITHOUT ROWID;"
+                last_seq INTEGER NOT NULL, last_why TEXT NOT NULL, PRIMARY KEY (node, rule)) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS retired (
+                node TEXT NOT NULL PRIMARY KEY, after_seq INTEGER NOT NULL, at INTEGER NOT NULL,
+                by TEXT NOT NULL) WITHOUT ROWID;
+             CREATE TABLE IF NOT EXISTS held (
+                node TEXT NOT NULL, seq INTEGER NOT NULL, part INTEGER NOT NULL, period TEXT NOT NULL,
+                calls INTEGER NOT NULL, received INTEGER NOT NULL, raw BLOB NOT NULL, state TEXT NOT NULL,
+                decided_by TEXT, decided_at INTEGER, PRIMARY KEY (node, seq, part)) WITHOUT ROWID;
+             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);"
         ))?;
         // `overshoot` came with quotas: a store made before them gains the column.
         let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();

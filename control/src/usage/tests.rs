@@ -75,7 +75,8 @@ on_both_engines!(
     rows_group_by_minute_and_day_and_a_team_sees_its_routes,
     gaps_below_the_highest_number_are_asked_for_until_filled,
     parts_apply_once_whichever_way_they_come_and_a_window_is_in_once_all_are,
-    a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it,
+    a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_platform,
+    a_retired_node_sends_nothing_past_its_last_window,
     a_hard_quota_flags_its_caller_and_bills_no_overshoot,
     an_overage_quota_warns_and_bills_everything,
     a_node_may_report_only_what_it_could_have_counted,
@@ -248,7 +249,7 @@ fn a_store_of_whole_windows_is_rewritten_as_parts() {
     assert_eq!((n.windows, n.last_seq), (1, 1));
 }
 
-fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it(db: &TestDb) {
+fn a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_platform(db: &TestDb) {
     let store = db.open();
     let none = Quotas::default();
     let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 1, 0], 1)]);
@@ -277,6 +278,25 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it(db: &T
     // its own counts stand for it, as a correction.
     let c = |seq, start, ok| window("c", seq, start, vec![row("k3", "search/query", [0, ok, 0, 0, 0], 1)]);
     store.apply(&[c(1, DEC - 20, 2), c(3, DEC + 10, 1)], DEC, &none).unwrap();
+    // November is final: its window is held, never added on its own.
+    assert!(store.is_final("2026-11").unwrap());
+    assert_eq!(store.totals("2026-11", Some("k3")).unwrap().len(), 0);
+    let held = |state: &str, by: Option<&str>| Held {
+        period: "2026-11".into(),
+        state: state.into(),
+        parts: 1,
+        calls: 2,
+        nodes: vec!["c".into()],
+        decided_by: by.map(str::to_owned),
+        decided_at: by.map(|_| rfc3339(DEC)),
+    };
+    assert_eq!(store.held().unwrap(), vec![held("held", None)]);
+    // The platform applies it: added as it would have been, the period reopened.
+    assert_eq!(store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap(), 1);
+    assert_eq!(store.held().unwrap(), vec![held("applied", Some("ops"))]);
+    assert_eq!(store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap(), 0, "decided once");
+    assert!(!store.is_final("2026-11").unwrap());
+    assert_eq!(store.totals("2026-11", Some("k3")).unwrap()[0].billable, 2);
     assert!(
         !store.reconcile("2026-11", after).unwrap().unwrap().is_final,
         "a new node reopens nothing but is not reported"
@@ -293,11 +313,14 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it(db: &T
     assert_eq!(store.reconcile("2026-11", after).unwrap().unwrap().billable, 9);
     // The window comes after all (it was late, not lost): the correction is taken back.
     store.apply(&[c(2, DEC - 10, 3)], DEC, &none).unwrap();
+    assert!(store.is_final("2026-11").unwrap(), "held");
+    assert_eq!(k3(&store), 5);
+    store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap();
     assert!(!store.is_final("2026-11").unwrap());
     let r = store.reconcile("2026-11", after).unwrap().unwrap();
     let node_c = r.nodes.iter().find(|n| n.node == "c").unwrap();
     assert_eq!((r.is_final, node_c.corrected, r.billable, k3(&store)), (true, 0, 9, 5), "{r:?}");
-    // Late: node c's first window (November was final then) and this one.
+    // Held and applied: node c's first window (November was final then) and this one.
     assert_eq!(r.late_windows, 2);
     // A changed report reopens the period; an older one is ignored.
     store.put_counters(&own("c", 2, &[("k3", [0, 6, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
@@ -309,15 +332,48 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_reopens_it(db: &T
     // A node that counts less than the store applied (its counters file was lost) is
     // never corrected down.
     store.apply(&[window("d", 1, DEC - 10, vec![row("k4", "search/query", [0, 3, 0, 0, 0], 1)])], DEC, &none).unwrap();
+    store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap();
     store.put_counters(&own("d", 1, &[("k4", [0, 1, 0, 0, 0])], &[]), DEC).unwrap();
     let r = store.reconcile("2026-11", after).unwrap().unwrap();
     let node_d = r.nodes.iter().find(|n| n.node == "d").unwrap();
     assert_eq!((r.is_final, node_d.corrected, node_d.counted_less, r.billable), (true, 0, 2, 13), "{r:?}");
-    // Windows numbered past what the counts cover: the node numbers again.
+    // Windows numbered past what the counts cover: the node numbers again (held, as the
+    // period is final, and discarded by the platform).
     store.apply(&[window("d", 2, DEC - 10, vec![row("k4", "search/query", [0, 1, 0, 0, 0], 1)])], DEC, &none).unwrap();
+    assert_eq!(store.decide_held("2026-11", Decision::Discard, "ops", DEC, &none).unwrap(), 1);
     let r = store.reconcile("2026-11", after).unwrap().unwrap();
     assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("numbered past 1")), "{r:?}");
+    assert_eq!(r.billable, 13, "a discarded window adds nothing");
+    // Retired as of its window 2, node d holds the period up no more.
+    let retired = store.retire("d", None, "ops", DEC).unwrap().unwrap();
+    assert_eq!((retired.node.as_str(), retired.after, retired.by.as_str()), ("d", 2, "ops"));
+    let r = store.reconcile("2026-11", after).unwrap().unwrap();
+    assert!(r.is_final && r.waived.iter().any(|b| b.contains("numbered past 1")), "{r:?}");
+    let node_d = r.nodes.iter().find(|n| n.node == "d").unwrap();
+    assert_eq!((node_d.retired_after, r.billable), (Some(2), 13));
+    assert_eq!(store.retired().unwrap(), vec![retired]);
     assert_eq!(store.reconcile("2026-13", after).unwrap().map(|r| r.period), None);
+}
+
+fn a_retired_node_sends_nothing_past_its_last_window(db: &TestDb) {
+    let store = db.open();
+    let none = Quotas::default();
+    let w = |seq, start| window("a", seq, start, vec![row("k1", "search/query", [0, 2, 0, 0, 0], 1)]);
+    store.apply(&[w(1, DEC), w(2, DEC + 10)], DEC + 20, &none).unwrap();
+    let before = store.totals("2026-12", None).unwrap();
+    assert!(store.retire("a", Some(1), "ops", DEC).unwrap().unwrap_err().contains("retire it as of 2 or later"));
+    assert!(store.retired().unwrap().is_empty(), "a refused retirement records nothing");
+    store.retire("a", Some(3), "ops", DEC).unwrap().unwrap();
+    assert!(store.retire("a", Some(4), "ops", DEC).unwrap().unwrap_err().contains("already retired as of window 3"));
+    assert_eq!(store.retire("a", Some(3), "ops", DEC).unwrap().unwrap().after, 3, "the same retirement again");
+    // Window 3 still counts; 4 is refused by rule, and nothing of its batch is applied.
+    store.apply(&[w(3, DEC + 20)], DEC + 30, &none).unwrap();
+    let e = store.apply(&[w(4, DEC + 30)], DEC + 40, &none).unwrap_err();
+    assert!(matches!(&e, ApplyError::Refused(r) if r.rule() == "node_retired"), "{e}");
+    let totals = store.totals("2026-12", None).unwrap();
+    assert_eq!(totals[0].billable, before[0].billable + 2);
+    let refusals = store.refusals().unwrap();
+    assert_eq!((refusals[0].rule.as_str(), refusals[0].count, refusals[0].last_seq), ("node_retired", 1, 4));
 }
 
 fn own(node: &str, through: u64, rows: &[(&str, [u64; 5])], unavailable: &[(u64, u64)]) -> NodeCounters {
