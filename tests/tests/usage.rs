@@ -717,3 +717,48 @@ async fn no_node_could_have_counted(fleet: Fleet) {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("no live over-quota flag"), "{out:?}");
 }
+
+/// A window the usage stream refuses for good (its number was applied before with other
+/// contents: another process spoke as this node) is an alert, not an endless retry: the
+/// node parks it beside its spool, counts it, and ships the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_refused_for_good_is_parked_and_the_rest_ships_on() {
+    let Fleet { _pg, _echo, repo, work, cp } = fleet();
+    let k1 = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
+    ctl(&cp, &["publish"]);
+    // Number 1 of node-p is taken before the node sends anything.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let forged = serde_json::json!({ "windows": [forged_window("node-p", 1, now - now % 10 - 600, "k1", 5)] });
+    assert_eq!(post_usage(&cp, Some(NODE_TOKEN), forged.to_string()).await.0, StatusCode::OK);
+
+    let dir = work.path().join("np");
+    let node = start_node(&cp.url, &dir, "node-p");
+    wait_for("the node to take the keys", Duration::from_secs(10), async || {
+        call(&node, &k1, 200).await == StatusCode::OK
+    })
+    .await;
+    wait_for("window 1 to be parked", Duration::from_secs(40), async || {
+        spool_state(&node).await["parked"].as_u64() == Some(1)
+    })
+    .await;
+    let parked: Vec<_> =
+        std::fs::read_dir(dir.join("usage-spool/parked")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    let w: serde_json::Value = serde_json::from_slice(&std::fs::read(&parked[0]).unwrap()).unwrap();
+    assert_eq!((w["node"].as_str(), w["seq"].as_u64()), (Some("node-p"), Some(1)), "{w}");
+    // The node's later windows ship on.
+    let mut sent = 0u64;
+    wait_for("window 2 to be shipped", Duration::from_secs(40), async || {
+        if call(&node, &k1, 200).await == StatusCode::OK {
+            sent += 1;
+        }
+        let state = spool_state(&node).await;
+        state["acked"].as_u64() >= Some(2) && state["shipped"].as_u64() >= Some(1)
+    })
+    .await;
+    assert!(sent > 0);
+    assert!(store_node(&cp, "node-p").await["last_seq"].as_u64() >= Some(2));
+    let m = String::from_utf8(get(&node.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
+    assert!(m.lines().any(|l| l == "postern_usage_windows_parked_total 1"), "{m}");
+    drop(node);
+}

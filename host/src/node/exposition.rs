@@ -304,7 +304,13 @@ fn write_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
 pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
     let s = &u.stats;
     let spool = u.spool_gauges();
-    let rows: [(&str, &str, &str, u64); 11] = [
+    let rows: [(&str, &str, &str, u64); 12] = [
+        (
+            "postern_usage_windows_parked_total",
+            "counter",
+            "Usage windows the usage stream refused for good, set aside in the spool's parked/ folder.",
+            s.parked.load(Ordering::Relaxed),
+        ),
         (
             "postern_usage_windows_resent_total",
             "counter",

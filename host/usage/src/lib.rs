@@ -107,6 +107,22 @@ pub enum SinkError {
     },
 }
 
+impl SinkError {
+    /// The far side refused what was sent for good: a window breaks one of its rules
+    /// (422, or 400 for its shape) or holds a number it applied with other contents (409).
+    /// Sending the same bytes again changes nothing.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            SinkError::Status { status, .. }
+                if matches!(
+                    *status,
+                    http::StatusCode::BAD_REQUEST | http::StatusCode::CONFLICT | http::StatusCode::UNPROCESSABLE_ENTITY
+                )
+        )
+    }
+}
+
 /// Why the HTTP sink could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
@@ -129,6 +145,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const BATCH: usize = 64;
 /// Bytes sent in one batch at most (at least one window).
 const BATCH_BYTES: u64 = 4 << 20;
+/// Windows kept in the spool's `parked/` folder at most; past it the shipper tries a
+/// refused window again, as it does any failed send (nothing is dropped).
+const MAX_PARKED: usize = 10_000;
 /// How long after a failed counters report it is tried again.
 const REPORT_RETRY: Duration = Duration::from_secs(10);
 
@@ -165,6 +184,8 @@ pub struct Stats {
     pub resent: AtomicU64,
     /// Windows the usage store asked for again that the spool no longer holds.
     pub resend_unavailable: AtomicU64,
+    /// Windows the usage stream refused for good, set aside in the spool's `parked/`.
+    pub parked: AtomicU64,
     /// Closed windows waiting in memory for the spool.
     pub pending: AtomicU64,
     /// Windows rebuilt from a checkpoint after a crash.
@@ -568,17 +589,22 @@ impl Usage {
         let mut resend: VecDeque<(u64, u64)> = VecDeque::new();
         let mut asked: std::collections::BTreeSet<(u64, u64)> = std::collections::BTreeSet::new();
         let mut next_report = Instant::now();
+        // After a batch was refused for good, its windows go one at a time up to its
+        // last, so the refused one is found, parked, and the rest shipped.
+        let mut one_by_one_through = 0u64;
         loop {
             let stopping = self.ship_stop.load(Ordering::Acquire);
             let again = resend.front().copied();
             let batch = {
                 let spool = self.lock_spool();
+                let first = again.map_or(spool.acked().saturating_add(1), |(from, _)| from);
+                let max = if first <= one_by_one_through { 1 } else { BATCH };
                 match again {
-                    Some((from, to)) => spool.read(from, BATCH, BATCH_BYTES).map(|mut b| {
+                    Some((_, to)) => spool.read(first, max, BATCH_BYTES).map(|mut b| {
                         b.retain(|(seq, _)| *seq <= to);
                         b
                     }),
-                    None => spool.read(spool.acked() + 1, BATCH, BATCH_BYTES),
+                    None => spool.read(first, max, BATCH_BYTES),
                 }
             };
             let batch = match batch {
@@ -648,6 +674,26 @@ impl Usage {
                     }
                     self.chase(missing, &mut resend, &mut asked);
                 }
+                Err(e) if e.is_refusal() && batch.len() > 1 => {
+                    self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
+                    one_by_one_through = last;
+                }
+                Err(e) if e.is_refusal() && self.park(last, &batch[0].1, &e) => {
+                    self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
+                    match again {
+                        Some((_, to)) => {
+                            resend.pop_front();
+                            if last < to {
+                                resend.push_front((last + 1, to));
+                            }
+                        }
+                        None => {
+                            if let Err(e) = self.lock_spool().ack(last) {
+                                tracing::error!(error = %e, "usage spool: cannot record the acknowledgement");
+                            }
+                        }
+                    }
+                }
                 Err(e) => {
                     self.stats.ship_errors.fetch_add(1, Ordering::Relaxed);
                     let e = e.to_string();
@@ -665,6 +711,32 @@ impl Usage {
                 }
             }
         }
+    }
+
+    /// Sets window `seq` aside in the spool's `parked/` folder (the far side refused it
+    /// for good, `why`), so the shipper goes on with the rest: an alert for the operator,
+    /// never an endless retry. Whether it was parked (not past [`MAX_PARKED`], written).
+    fn park(&self, seq: u64, window: &[u8], why: &SinkError) -> bool {
+        let dir = self.lock_spool().dir().join("parked");
+        let full = std::fs::read_dir(&dir).map(|d| d.take(MAX_PARKED).count() >= MAX_PARKED).unwrap_or(false);
+        if full {
+            tracing::error!(seq, error = %why, max = MAX_PARKED, "usage window refused, and the parked folder is full: trying it again");
+            return false;
+        }
+        let written = std::fs::create_dir_all(&dir).map_err(|e| e.to_string()).and_then(|()| {
+            postern_model::disk::write_atomic(&dir.join(format!("{seq:020}.json")), window).map_err(|e| e.to_string())
+        });
+        if let Err(e) = written {
+            tracing::error!(seq, error = %e, "usage window refused, and it cannot be parked: trying it again");
+            return false;
+        }
+        self.stats.parked.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            seq,
+            error = %why,
+            "usage window refused by the usage stream: parked in the spool's parked/ folder, the rest ships on"
+        );
+        true
     }
 
     /// Sends the reports of periods complete on this node that the control plane has not
@@ -782,6 +854,7 @@ impl Usage {
             "ship_errors": self.stats.ship_errors.load(Ordering::Relaxed),
             "resent": self.stats.resent.load(Ordering::Relaxed),
             "resend_unavailable": self.stats.resend_unavailable.load(Ordering::Relaxed),
+            "parked": self.stats.parked.load(Ordering::Relaxed),
             "counters": counters,
             "counters_error": counters_error,
             "counter_reports": self.stats.reports.load(Ordering::Relaxed),
@@ -932,6 +1005,17 @@ mod tests {
             latency: vec![0; LATENCY_BUCKETS],
             latency_us: 0,
         }
+    }
+
+    #[test]
+    fn a_refusal_for_good_is_told_from_a_failure_worth_trying_again() {
+        let status = |status| SinkError::Status { url: "u".into(), status, body: String::new() };
+        assert!(status(http::StatusCode::CONFLICT).is_refusal());
+        assert!(status(http::StatusCode::UNPROCESSABLE_ENTITY).is_refusal());
+        assert!(status(http::StatusCode::BAD_REQUEST).is_refusal());
+        assert!(!status(http::StatusCode::SERVICE_UNAVAILABLE).is_refusal());
+        assert!(!status(http::StatusCode::UNAUTHORIZED).is_refusal(), "a token problem is fixed by the operator");
+        assert!(!SinkError::NoControl.is_refusal());
     }
 
     #[test]
