@@ -122,6 +122,13 @@ pub(crate) enum Command {
         /// is made if it is missing.
         #[arg(long, value_name = "BROKERS")]
         usage_kafka: Option<String>,
+        /// The nodes' usage keys: a JSON object of node id → its public key
+        /// (`ed25519:<hex>`, as `posternctl signing-key new` prints it for the key the node
+        /// is started with, `postern --usage-signing-key`), or a list of two during a key
+        /// change. Once given, the intake and the Kafka consumer take a node's usage only
+        /// signed by its key (refused by rule `usage_signature` otherwise, counted per node).
+        #[arg(long, value_name = "FILE")]
+        usage_node_keys: Option<PathBuf>,
         /// The usage topic.
         #[arg(long, default_value = postern_model::usage::KAFKA_TOPIC, value_name = "TOPIC")]
         usage_kafka_topic: String,

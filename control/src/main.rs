@@ -410,6 +410,7 @@ fn main() -> ExitCode {
             usage_kafka_replication,
             usage_kafka_option,
             usage_kafka_options_file,
+            usage_node_keys,
         } => {
             if let Err(e) = secrets_off_the_command_line(&store, usage_db.as_deref(), quota_webhook.as_deref()) {
                 return report(Err(anyhow::anyhow!(e)));
@@ -460,6 +461,7 @@ fn main() -> ExitCode {
                 usage_db,
                 quota_webhook,
                 usage_kafka,
+                usage_node_keys,
             };
             report(serve(settings, &store, signing_key.as_deref()))
         }

@@ -37,6 +37,11 @@ fn fleet() -> Fleet {
 /// A fleet whose control plane keeps everything in PostgreSQL database `pg` (usage in the
 /// same database: no `--usage-db`), or in a directory store with `usage.db` beside it.
 fn fleet_on(pg: Option<PgDb>) -> Fleet {
+    fleet_with(pg, &[])
+}
+
+/// [`fleet_on`] with more flags for `posternctl serve`.
+fn fleet_with(pg: Option<PgDb>, extra: &[&str]) -> Fleet {
     let echo = Echo::start("e");
     let repo = Repo::new();
     platform(&repo, &[("e", &echo.addr())]);
@@ -48,7 +53,9 @@ fn fleet_on(pg: Option<PgDb>) -> Fleet {
         Some(db) => db.url.clone(),
         None => work.path().join("store").to_str().unwrap().to_owned(),
     };
-    let cp = serve(repo.path(), &store, &tokens, &["--dwell", "0s"]);
+    let mut args = vec!["--dwell", "0s"];
+    args.extend_from_slice(extra);
+    let cp = serve(repo.path(), &store, &tokens, &args);
     Fleet { _pg: pg, _echo: echo, repo, work, cp }
 }
 
@@ -761,4 +768,91 @@ async fn a_window_refused_for_good_is_parked_and_the_rest_ships_on() {
     let m = String::from_utf8(get(&node.admin_url("/metrics"), &[]).await.body.to_vec()).unwrap();
     assert!(m.lines().any(|l| l == "postern_usage_windows_parked_total 1"), "{m}");
     drop(node);
+}
+
+/// Once the control plane knows the nodes' usage keys, a node's usage counts only signed
+/// by its own key: a genuine node ships and is billed; a batch for it unsigned, signed by
+/// another key or mixing nodes is refused 403 by rule `usage_signature`, counted for the
+/// node it names, and changes no total.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_node_keys_only_a_nodes_own_signature_speaks_for_it() {
+    use postern_model::sign::{Signer, Subject};
+    let keys_dir = tempfile::tempdir().unwrap();
+    let (own, other) = (Signer::generate().unwrap(), Signer::generate().unwrap());
+    let key_file = keys_dir.path().join("node-s.key");
+    std::fs::write(&key_file, own.to_text()).unwrap();
+    let keys = keys_dir.path().join("node-keys.json");
+    std::fs::write(&keys, serde_json::json!({ "node-s": own.public().to_string() }).to_string()).unwrap();
+    let Fleet { _pg, _echo, repo, work, cp } = fleet_with(None, &["--usage-node-keys", keys.to_str().unwrap()]);
+    let k1 = new_key(repo.path(), "k1", "app1", "acme", "gold", &[]);
+    ctl(&cp, &["publish"]);
+    let mut node = start_node_with(
+        &cp.url,
+        &work.path().join("ns"),
+        "node-s",
+        &["--usage-signing-key", key_file.to_str().unwrap()],
+    );
+    wait_for("the node to take the keys", Duration::from_secs(10), async || {
+        call(&node, &k1, 200).await == StatusCode::OK
+    })
+    .await;
+    let mut seen = 1u64;
+    for _ in 0..9 {
+        assert_eq!(call(&node, &k1, 200).await, StatusCode::OK);
+        seen += 1;
+    }
+    node.proc.signal(15);
+    let end = Instant::now() + Duration::from_secs(30);
+    while node.proc.alive() {
+        assert!(Instant::now() < end, "the node did not stop:\n{}", node.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_store_has(&cp, "node-s", numbered(&work.path().join("ns/usage-spool"))).await;
+    assert_eq!(billed(&cp).get("k1"), Some(&seen), "the signed node is billed exactly");
+
+    // Forged batches for node-s, with the fleet's node token: none is taken.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let body = |node: &str| {
+        serde_json::json!({ "windows": [forged_window(node, 90, now - now % 10, "k1", 1000)] }).to_string()
+    };
+    let sign = |s: &Signer, node: &str, bytes: &str| {
+        let hash = postern_model::content_hash(bytes.as_bytes());
+        s.sign(&Subject::Usage { node, hash: &hash })
+    };
+    let auth = format!("Bearer {NODE_TOKEN}");
+    let url = format!("{}/v1/usage", cp.url);
+    let forged = body("node-s");
+    let mut mixed: serde_json::Value = serde_json::from_str(&body("node-s")).unwrap();
+    mixed["windows"].as_array_mut().unwrap().push(forged_window("node-z", 1, now - now % 10, "k1", 1000));
+    let mixed = mixed.to_string();
+    for (what, bytes, sig) in [
+        ("unsigned", forged.clone(), None),
+        ("signed by another key", forged.clone(), Some(sign(&other, "node-s", &forged))),
+        ("signed for other bytes", forged.clone(), Some(sign(&own, "node-s", &body("node-z")))),
+        ("a node with no key", body("node-z"), Some(sign(&own, "node-z", &body("node-z")))),
+        ("two nodes in one batch", mixed.clone(), Some(sign(&own, "node-s", &mixed))),
+    ] {
+        let mut headers = vec![("authorization", auth.as_str())];
+        if let Some(sig) = &sig {
+            headers.push((postern_model::usage::SIGNATURE_HEADER, sig.as_str()));
+        }
+        let r = send(Method::POST, &url, &headers, bytes).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{what}: {}", String::from_utf8_lossy(&r.body));
+        assert!(String::from_utf8_lossy(&r.body).contains("usage_signature"), "{what}");
+    }
+    assert_eq!(billed(&cp).get("k1"), Some(&seen), "no forged call billed");
+    let refusals =
+        get(&format!("{}/v1/usage/refusals", cp.url), &[("authorization", &format!("Bearer {PLATFORM_TOKEN}"))])
+            .await
+            .json();
+    let count = |node: &str| {
+        refusals["refusals"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["node"] == node && r["rule"] == "usage_signature")
+            .map(|r| r["count"].as_u64().unwrap())
+    };
+    assert_eq!((count("node-s"), count("node-z")), (Some(4), Some(1)), "{refusals}");
+    drop((node, cp));
 }

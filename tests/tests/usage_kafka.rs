@@ -81,20 +81,45 @@ fn setup() -> Setup {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_full_spool_and_duplicates() {
     let Setup { broker, echo, repo, work, tokens, store } = setup();
+    // Each node signs its parts with its own key, which the control plane knows.
+    let signers: Vec<std::sync::Arc<postern_model::sign::Signer>> =
+        (0..2).map(|_| std::sync::Arc::new(postern_model::sign::Signer::generate().unwrap())).collect();
+    let key_files: Vec<String> = (0..2)
+        .map(|i| {
+            let f = work.path().join(format!("node-{i}.key"));
+            std::fs::write(&f, signers[i].to_text()).unwrap();
+            f.to_str().unwrap().to_owned()
+        })
+        .collect();
+    let node_keys = work.path().join("node-keys.json");
+    let keys =
+        serde_json::json!({"node-0": signers[0].public().to_string(), "node-1": signers[1].public().to_string()});
+    std::fs::write(&node_keys, keys.to_string()).unwrap();
     let cp = serve(
         repo.path(),
         store.to_str().unwrap(),
         &tokens,
-        &["--dwell", "0s", "--usage-kafka", &broker.addr, "--usage-kafka-partitions", "4"],
+        &[
+            "--dwell",
+            "0s",
+            "--usage-kafka",
+            &broker.addr,
+            "--usage-kafka-partitions",
+            "4",
+            "--usage-node-keys",
+            node_keys.to_str().unwrap(),
+        ],
     );
     let k: Vec<String> = (1..=3).map(|i| new_key(repo.path(), &format!("k{i}"), "app", "acme", "gold", &[])).collect();
     ctl(&cp, &["publish"]);
     let kafka = ["--usage-kafka", broker.addr.as_str(), "--drain-seconds", "2"];
     let n0_dir = work.path().join("n0");
-    let n0 = start_node_with(&cp.url, &n0_dir, "node-0", &kafka);
+    let mut n0_args = kafka.to_vec();
+    n0_args.extend(["--usage-signing-key", key_files[0].as_str()]);
+    let n0 = start_node_with(&cp.url, &n0_dir, "node-0", &n0_args);
     // node-1's spool holds about two windows: the frozen broker fills it.
     let mut n1_args = kafka.to_vec();
-    n1_args.extend(["--usage-spool-max", "1KiB"]);
+    n1_args.extend(["--usage-spool-max", "1KiB", "--usage-signing-key", key_files[1].as_str()]);
     let n1 = start_node_with(&cp.url, &work.path().join("n1"), "node-1", &n1_args);
     let mut seen: BTreeMap<String, u64> = BTreeMap::new();
     for node in [&n0, &n1] {
@@ -135,6 +160,7 @@ async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_
     let mut restart: Vec<&str> =
         vec!["--control", &cp.url, "--control-token", NODE_TOKEN, "--control-key", pubkey.to_str().unwrap()];
     restart.extend(kafka);
+    restart.extend(["--usage-signing-key", key_files[0].as_str()]);
     let n0 = Node::start(&n0_dir.join("snapshot.json"), &restart);
     assert_eq!(spool_state(&n0).await["node"], "node-0");
     let n0_load = Loads::start(n0.public, &n0_keys);
@@ -198,8 +224,9 @@ async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_
         missing_poll: Duration::from_secs(30),
     };
     let resent = spooled.len() as u64;
+    let signer = signers[1].clone();
     tokio::task::spawn_blocking(move || {
-        let mut sink = postern_usage::kafka::KafkaSink::new(&settings, "node-1", None).unwrap();
+        let mut sink = postern_usage::kafka::KafkaSink::new(&settings, "node-1", None).unwrap().signed(Some(signer));
         postern_usage::Sink::send(&mut sink, &spooled).unwrap();
     })
     .await
@@ -218,16 +245,23 @@ async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_
     });
     forged["rows"][0]["latency"][0] = serde_json::json!(1000);
     let forged = forged.to_string();
-    let headers = rdkafka::message::OwnedHeaders::new()
-        .insert(rdkafka::message::Header { key: "ce_id", value: Some("node-1/1/0") });
-    producer
-        .send(
-            BaseRecord::<str, str>::to(postern_model::usage::KAFKA_TOPIC)
-                .key("key:k1")
-                .payload(&forged)
-                .headers(headers),
-        )
-        .unwrap();
+    let send_forged = |headers: &[(&str, &str)]| {
+        let headers = headers.iter().fold(rdkafka::message::OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(rdkafka::message::Header { key, value: Some(*value) })
+        });
+        producer
+            .send(
+                BaseRecord::<str, str>::to(postern_model::usage::KAFKA_TOPIC)
+                    .key("key:k1")
+                    .payload(&forged)
+                    .headers(headers),
+            )
+            .unwrap();
+    };
+    send_forged(&[("ce_id", "node-1/1/0")]);
+    // And one whose ce_id is its body's, but not signed by node-1's key: any writer of
+    // the topic could have written it.
+    send_forged(&[("ce_id", "node-1/9999/0"), (postern_model::usage::STREAM_SIGNATURE_HEADER, "ed25519:00")]);
     producer.flush(Duration::from_secs(10)).unwrap();
 
     // node-1 after the outage: its spool is writable again, and it counted failed sends.
@@ -254,7 +288,7 @@ async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_
     wait_store_has(&cp, "node-1", numbered(&work.path().join("n1/usage-spool"))).await;
     wait_for("the stream's bad and repeated messages consumed", Duration::from_secs(60), async || {
         let stream = platform_get(&cp, "/v1/usage/stream").await;
-        stream["rejected"].as_u64() >= Some(2) && stream["duplicates"].as_u64() >= Some(resent)
+        stream["rejected"].as_u64() >= Some(3) && stream["duplicates"].as_u64() >= Some(resent)
     })
     .await;
     let got = billed(&cp);
@@ -280,7 +314,14 @@ async fn usage_through_kafka_is_billed_exactly_through_a_kill_a_frozen_broker_a_
     let stream = platform_get(&cp, "/v1/usage/stream").await;
     eprintln!("stream: {stream}");
     assert_eq!(stream["kafka"], true, "{stream}");
-    assert_eq!(stream["rejected"].as_u64(), Some(2), "{stream}");
+    assert_eq!(stream["rejected"].as_u64(), Some(3), "{stream}");
+    let refusals = platform_get(&cp, "/v1/usage/refusals").await;
+    let signature = refusals["refusals"].as_array().unwrap().iter().find(|r| r["rule"] == "usage_signature").cloned();
+    assert_eq!(
+        signature.as_ref().map(|r| (&r["node"], r["count"].as_u64())),
+        Some((&"node-1".into(), Some(1))),
+        "{refusals}"
+    );
     assert!(stream["duplicates"].as_u64() >= Some(resent), "{stream}");
     drop((n0, n1, cp, echo, broker));
 }

@@ -8,7 +8,11 @@
 //! ```text
 //! postern-envelope-v1\n<lane>\n<version>\n<sha256:content hash>
 //! postern-envelope-v1\ndelta\n<base>\n<version>\n<sha256:hash of the delta's JSON>
+//! postern-envelope-v1\nusage\n<node>\n<sha256:hash of the usage bytes sent>
 //! ```
+//!
+//! A node signs the usage it ships with a key of its own (`--usage-signing-key`), which
+//! the control plane knows by node (`--usage-node-keys`).
 //!
 //! The version is inside the signature, so a signed version 7 cannot be passed off as
 //! version 9, nor a credentials version as a snapshot. Keys and signatures are written as
@@ -36,6 +40,14 @@ pub enum Subject<'a> {
         /// `sha256:<hex>` of its content.
         hash: &'a str,
     },
+    /// Usage a node ships (a batch of windows to the intake, or one part on the usage
+    /// stream), by the hash of its bytes as sent: signed by the node's own key.
+    Usage {
+        /// The node whose windows they are.
+        node: &'a str,
+        /// `sha256:<hex>` of the bytes sent.
+        hash: &'a str,
+    },
     /// A credentials delta from `base` to `version`, by the hash of its JSON.
     Delta {
         /// The version it applies to.
@@ -53,6 +65,7 @@ impl Subject<'_> {
         match self {
             Subject::Whole { lane, version, hash } => format!("{CONTEXT}\n{}\n{version}\n{hash}", lane.as_str()),
             Subject::Delta { base, version, hash } => format!("{CONTEXT}\ndelta\n{base}\n{version}\n{hash}"),
+            Subject::Usage { node, hash } => format!("{CONTEXT}\nusage\n{node}\n{hash}"),
         }
     }
 }
@@ -236,6 +249,7 @@ mod tests {
             Subject::Whole { lane: Lane::Credentials, version: 8, hash: "sha256:ab" },
             Subject::Whole { lane: Lane::Credentials, version: 7, hash: "sha256:ac" },
             Subject::Delta { base: 6, version: 7, hash: "sha256:ab" },
+            Subject::Usage { node: "7", hash: "sha256:ab" },
         ] {
             assert!(matches!(key.verify(&other, Some(&sig)), Err(SignatureError::Mismatch(_))), "{other:?}");
         }

@@ -40,6 +40,14 @@ pub const MAX_SEQ: u64 = 1 << 48;
 /// The usage stream's Kafka topic unless told otherwise.
 pub const KAFKA_TOPIC: &str = "postern.usage";
 
+/// The header of a batch to the intake that carries its node's signature over the body
+/// ([`crate::sign::Subject::Usage`]), when the node has a usage key.
+pub const SIGNATURE_HEADER: &str = "x-postern-usage-signature";
+
+/// The header of a part on the usage stream that carries its node's signature over the
+/// payload, when the node has a usage key.
+pub const STREAM_SIGNATURE_HEADER: &str = "postern_signature";
+
 /// A librdkafka setting refused.
 #[derive(Debug, thiserror::Error)]
 pub enum KafkaOptionError {

@@ -54,6 +54,7 @@ mod publish;
 mod quota;
 mod role;
 mod rollout;
+mod signed;
 mod state;
 mod status;
 mod stream;
@@ -110,6 +111,9 @@ pub struct ServeSettings {
     pub quota_webhook: Option<String>,
     /// The usage stream on Kafka, consumed into the usage store beside the HTTP intake.
     pub usage_kafka: Option<UsageKafka>,
+    /// The nodes' usage keys (JSON: node → `ed25519:<hex>` or a list): once given, usage
+    /// is taken only signed by its node's key.
+    pub usage_node_keys: Option<PathBuf>,
 }
 
 /// Open connections the control plane's HTTP server holds at most (two long polls per
@@ -129,6 +133,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
             t.name
         );
     }
+    let usage_keys = signed::UsageKeys::load(settings.usage_node_keys.as_deref())?;
     let heads = (
         store.head(Lane::Snapshot).await?.map_or(0, |v| v.number),
         store.head(Lane::Credentials).await?.map_or(0, |v| v.number),
@@ -159,6 +164,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         publish_dir: settings.publish_dir,
         quota: QuotaService::new(settings.quota_webhook),
         stream: StreamStats::default(),
+        usage_keys,
     });
     let tls = match &settings.tls {
         Some((cert, key)) => {

@@ -84,6 +84,8 @@ pub(super) struct Server {
     pub(super) quota: QuotaService,
     /// The Kafka consumer's counters, when it runs.
     pub(super) stream: StreamStats,
+    /// Which key speaks for which node's usage.
+    pub(super) usage_keys: super::signed::UsageKeys,
 }
 
 /// Deltas kept for nodes a few changes behind.

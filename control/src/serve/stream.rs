@@ -108,7 +108,7 @@ pub(super) async fn consumer(kafka: &UsageKafka) -> anyhow::Result<StreamConsume
 }
 
 /// One message, read: a checked window part, or why it is not one.
-fn read(m: &rdkafka::message::BorrowedMessage<'_>) -> Result<Window, Unreadable> {
+fn read(m: &rdkafka::message::BorrowedMessage<'_>, keys: &super::signed::UsageKeys) -> Result<Window, Unreadable> {
     let at = format!("{}[{}]@{}", m.topic(), m.partition(), m.offset());
     let unreadable = |why| Unreadable { at: at.clone(), why };
     let body = m.payload().ok_or_else(|| unreadable(Why::NoBody))?;
@@ -119,9 +119,21 @@ fn read(m: &rdkafka::message::BorrowedMessage<'_>) -> Result<Window, Unreadable>
     });
     let want = format!("{}/{}/{}", w.node, w.seq, w.part);
     match id {
-        Some(id) if id == want => Ok(w),
-        Some(id) => Err(unreadable(Why::OtherId { id, want })),
-        None => Err(unreadable(Why::NoId)),
+        Some(id) if id == want => {}
+        Some(id) => return Err(unreadable(Why::OtherId { id, want })),
+        None => return Err(unreadable(Why::NoId)),
+    }
+    let sig = m
+        .headers()
+        .and_then(|h| h.iter().find(|h| h.key == postern_model::usage::STREAM_SIGNATURE_HEADER).and_then(|h| h.value));
+    match keys.check(&w.node, body, sig) {
+        Ok(()) => Ok(w),
+        Err(why) => Err(unreadable(Why::Refused(postern_model::usage::WindowError::Invalid {
+            node: w.node,
+            seq: w.seq,
+            rule: super::signed::RULE,
+            why,
+        }))),
     }
 }
 
@@ -166,11 +178,18 @@ impl Server {
                     Ok(m) => {
                         self.stream.consumed.fetch_add(1, Ordering::Relaxed);
                         offsets.insert((m.topic().to_owned(), m.partition()), m.offset() + 1);
-                        match read(&m) {
+                        match read(&m, &self.usage_keys) {
                             Ok(w) => windows.push(w),
                             Err(e) => {
                                 self.stream.rejected.fetch_add(1, Ordering::Relaxed);
                                 self.stream.failed(format!("skipped {e}"));
+                                if let Why::Refused(refused) = e.why {
+                                    // Counted for the node it names, as at the intake.
+                                    let now = postern_model::disk::unix_now();
+                                    if let Ok(Err(e)) = store.run(move |s| s.refused(&refused, now)).await {
+                                        self.stream.failed(format!("usage store: {e}"));
+                                    }
+                                }
                             }
                         }
                     }

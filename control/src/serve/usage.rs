@@ -40,6 +40,7 @@ impl Server {
         let Some(store) = self.usage.clone() else {
             return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
         };
+        let signature = req.headers().get(postern_model::usage::SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
         let body = match Limited::new(req.into_body(), USAGE_BODY_LIMIT).collect().await {
             Ok(b) => b.to_bytes(),
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e} (at most {USAGE_BODY_LIMIT} bytes)")),
@@ -48,6 +49,26 @@ impl Server {
             Ok(b) => b,
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
         };
+        // Signed usage: a batch is one node's, signed over its bytes by that node's key.
+        if let (true, Some(first)) = (self.usage_keys.enforced(), batch.windows.first()) {
+            let node = first.node.clone();
+            let why = if batch.windows.iter().any(|w| w.node != node) {
+                Err("a signed batch holds one node's windows".to_owned())
+            } else {
+                self.usage_keys.check(&node, &body, signature.as_deref())
+            };
+            if let Err(why) = why {
+                let e =
+                    postern_model::usage::WindowError::Invalid { node, seq: first.seq, rule: super::signed::RULE, why };
+                let (store, now) = (store.clone(), postern_model::disk::unix_now());
+                say!("usage refused: {e}");
+                return match store.run(move |s| s.refused(&e, now).map(|()| e)).await {
+                    Ok(Ok(e)) => error(StatusCode::FORBIDDEN, e.to_string()),
+                    Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+                    Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+                };
+            }
+        }
         for w in &batch.windows {
             if !role.speaks_for(&w.node) {
                 return error(StatusCode::FORBIDDEN, format!("this token speaks for another node, not {}", w.node));

@@ -163,6 +163,12 @@ pub struct Args {
     /// every process of the host can read a command line.
     #[arg(long, value_name = "FILE")]
     pub usage_kafka_options_file: Option<std::path::PathBuf>,
+    /// This node's own Ed25519 key (`ed25519-seed:<hex>`, as `posternctl signing-key new`
+    /// writes it): every batch of usage windows to the intake and every part on the usage
+    /// stream is signed with it, so no other process can speak for this node where the
+    /// control plane knows its public key (`posternctl serve --usage-node-keys`).
+    #[arg(long, value_name = "FILE")]
+    pub usage_signing_key: Option<std::path::PathBuf>,
     /// How often, in seconds, a node on Kafka asks the control plane which of its
     /// windows the usage store lacks (a run is sent again once two asks in a row name it).
     #[arg(long, default_value_t = 30, value_name = "S")]

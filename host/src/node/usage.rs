@@ -20,6 +20,8 @@ pub struct UsageSettings {
     pub spool_max: u64,
     /// The usage stream on Kafka, if it goes there rather than to the control plane.
     pub kafka: Option<KafkaStream>,
+    /// The node's own key, which signs what it ships.
+    pub signing_key: Option<PathBuf>,
 }
 
 /// The usage stream's Kafka settings.
@@ -57,6 +59,14 @@ pub fn kafka_options(
     Ok(all)
 }
 
+/// The node's usage signing key: a regular file of at most 4 KiB, `ed25519-seed:<hex>`.
+fn signing_key(path: &Path) -> anyhow::Result<postern_model::sign::Signer> {
+    let bytes = postern_model::disk::read_regular(path, 4096)
+        .with_context(|| format!("--usage-signing-key {}", path.display()))?;
+    let text = String::from_utf8(bytes).with_context(|| format!("--usage-signing-key {}", path.display()))?;
+    postern_model::sign::Signer::parse(&text).with_context(|| format!("--usage-signing-key {}", path.display()))
+}
+
 impl UsageSettings {
     /// The settings the command line gives; `None` when usage is not metered.
     pub fn from_args(args: &Args, snapshot_dir: &Path) -> Option<UsageSettings> {
@@ -73,6 +83,7 @@ impl UsageSettings {
                 options_file: args.usage_kafka_options_file.clone(),
                 missing_poll: Duration::from_secs(args.usage_kafka_missing_poll_s.max(1)),
             }),
+            signing_key: args.usage_signing_key.clone(),
         })
     }
 
@@ -83,10 +94,15 @@ impl UsageSettings {
 
     /// Opens the spool and starts the threads that close windows and ship them.
     pub fn start(self, node_id: &str, link: Option<&ControlLink>) -> anyhow::Result<Arc<postern_usage::Usage>> {
+        let signer = match &self.signing_key {
+            Some(path) => Some(Arc::new(signing_key(path)?)),
+            None => None,
+        };
         let http = match link {
             Some(l) => Some(
                 postern_usage::HttpSink::new(&l.url, &l.token, l.ca.as_deref(), node_id)
-                    .context("the usage shipper")?,
+                    .context("the usage shipper")?
+                    .signed(signer.clone()),
             ),
             None => None,
         };
@@ -100,7 +116,8 @@ impl UsageSettings {
                 };
                 Some(Box::new(
                     postern_usage::kafka::KafkaSink::new(&settings, node_id, http)
-                        .context("the usage stream (Kafka)")?,
+                        .context("the usage stream (Kafka)")?
+                        .signed(signer.clone()),
                 ))
             }
             None => http.map(|h| Box::new(h) as Box<dyn postern_usage::Sink>),

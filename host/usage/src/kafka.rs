@@ -90,6 +90,8 @@ pub struct KafkaSink {
     last_poll: Option<Instant>,
     /// The runs the last ask named.
     suspect: Vec<(u64, u64)>,
+    /// Signs each part (`postern_signature`), when the node has a key.
+    signer: Option<std::sync::Arc<postern_model::sign::Signer>>,
 }
 
 impl KafkaSink {
@@ -104,7 +106,14 @@ impl KafkaSink {
             control,
             last_poll: None,
             suspect: Vec::new(),
+            signer: None,
         })
+    }
+
+    /// Signs every part with the node's own key (`--usage-signing-key`).
+    pub fn signed(mut self, signer: Option<std::sync::Arc<postern_model::sign::Signer>>) -> KafkaSink {
+        self.signer = signer;
+        self
     }
 
     /// A producer in a fatal state, or whose producer id the broker no longer takes
@@ -142,12 +151,14 @@ impl KafkaSink {
         let key = part.caller_key().unwrap_or_else(|| format!("node:{}", part.node));
         let id = format!("{}/{}/{}", part.node, part.seq, part.part);
         let source = format!("postern:node:{}", part.node);
-        let headers = OwnedHeaders::new_with_capacity(5)
+        let signature = self.signer.as_ref().map(|signer| crate::sign_usage(signer, &part.node, &payload));
+        let headers = OwnedHeaders::new_with_capacity(6)
             .insert(Header { key: "ce_specversion", value: Some("1.0") })
             .insert(Header { key: "ce_id", value: Some(id.as_str()) })
             .insert(Header { key: "ce_source", value: Some(source.as_str()) })
             .insert(Header { key: "ce_type", value: Some(CE_TYPE) })
-            .insert(Header { key: "content-type", value: Some("application/json") });
+            .insert(Header { key: "content-type", value: Some("application/json") })
+            .insert(Header { key: postern_model::usage::STREAM_SIGNATURE_HEADER, value: signature.as_deref() });
         let mut record =
             BaseRecord::with_opaque_to(&self.topic, send).key(key.as_bytes()).payload(&payload[..]).headers(headers);
         let deadline = Instant::now() + DELIVERY_TIMEOUT;

@@ -880,6 +880,8 @@ pub struct HttpSink {
     token: String,
     /// The node whose missing windows it asks for.
     node: String,
+    /// Signs each batch (`x-postern-usage-signature`), when the node has a key.
+    signer: Option<std::sync::Arc<postern_model::sign::Signer>>,
 }
 
 impl HttpSink {
@@ -897,8 +899,21 @@ impl HttpSink {
             base: base.trim_end_matches('/').to_owned(),
             token: token.to_owned(),
             node: node.to_owned(),
+            signer: None,
         })
     }
+
+    /// Signs every batch with the node's own key (`--usage-signing-key`).
+    pub fn signed(mut self, signer: Option<std::sync::Arc<postern_model::sign::Signer>>) -> HttpSink {
+        self.signer = signer;
+        self
+    }
+}
+
+/// The node's signature over `bytes` it sends as `node`'s usage.
+pub fn sign_usage(signer: &postern_model::sign::Signer, node: &str, bytes: &[u8]) -> String {
+    let hash = postern_model::content_hash(bytes);
+    signer.sign(&postern_model::sign::Subject::Usage { node, hash: &hash })
 }
 
 impl HttpSink {
@@ -978,9 +993,12 @@ pub fn batch_body(windows: &[(u64, Vec<u8>)]) -> Vec<u8> {
 impl Sink for HttpSink {
     fn send(&mut self, windows: &[(u64, Vec<u8>)]) -> Result<Vec<(u64, u64)>, SinkError> {
         let body = batch_body(windows);
-        let req = http::Request::post(&self.url)
+        let mut req = http::Request::post(&self.url)
             .header(http::header::AUTHORIZATION, format!("Bearer {}", self.token))
             .header(http::header::CONTENT_TYPE, "application/json");
+        if let Some(signer) = &self.signer {
+            req = req.header(postern_model::usage::SIGNATURE_HEADER, sign_usage(signer, &self.node, &body));
+        }
         self.exchange(self.url.clone(), req, bytes::Bytes::from(body))
     }
 
