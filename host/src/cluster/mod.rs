@@ -138,9 +138,9 @@ impl Upstream {
     /// by priority). The last places are kept for the higher classes: a class may fill
     /// only its [`CAP_SHARE`] of the cap, so `critical` requests still find room when
     /// the others have filled theirs.
-    pub fn permit(&self, class: postern_model::Priority) -> Option<postern_protect::Permit> {
+    pub fn permit(&self, class: impl FnOnce() -> postern_model::Priority) -> Option<postern_protect::Permit> {
         let max = if self.in_flight() >= self.reserved_from {
-            let share = CAP_SHARE.get(class.rank()).copied().unwrap_or(100);
+            let share = CAP_SHARE.get(class().rank()).copied().unwrap_or(100);
             (u64::from(self.max_inflight) * share / 100).max(1) as u32
         } else {
             self.max_inflight

@@ -155,8 +155,12 @@ async fn forward<'l>(
     }
     let backend = choose_backend(route, live, cx, sticky)?;
     let upstream = &*backend.upstream;
-    let class = crate::request::shed::class(route, live, cx, &parts.headers);
-    crate::request::shed::admit(&gw.shed, upstream, class).map_err(ProxyError::Shed)?;
+    // The priority class, worked out once and only when a decision needs it: while
+    // something sheds, or once the cluster is near its cap.
+    let mut class = None;
+    let class_of = |headers: &http::HeaderMap| crate::request::shed::class(route, live, cx, headers);
+    crate::request::shed::admit(&gw.shed, upstream, || *class.get_or_insert_with(|| class_of(&parts.headers)))
+        .map_err(ProxyError::Shed)?;
     if let Some(cx) = cx {
         for filters in [route.limit.as_slice(), &route.filters] {
             run_request_filters(filters, &mut parts, cx, &mut ex.passed, &mut ex.marks, ex.start).await?;
@@ -169,7 +173,8 @@ async fn forward<'l>(
     // of it (once it is busy), the breaker's leave.
     let (at, endpoint) = upstream.pick(ex.start).ok_or(ProxyError::NoEndpoint)?;
     let endpoint = endpoint.clone();
-    let cluster = upstream.permit(class).ok_or(ProxyError::UpstreamOverloaded)?;
+    let cluster =
+        upstream.permit(|| class.unwrap_or_else(|| class_of(&parts.headers))).ok_or(ProxyError::UpstreamOverloaded)?;
     let busy = upstream.in_flight() > upstream.max_inflight / 2;
     let held = Held { cluster, client: conn.hold(upstream.max_inflight, busy).ok_or(ProxyError::ClientShare)? };
     let ticket = upstream.breaker.admit(ex.start).map_err(ProxyError::CircuitOpen)?;

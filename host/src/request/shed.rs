@@ -29,11 +29,13 @@ pub fn class(route: &CompiledRoute, live: &Live, cx: Option<&Context>, headers: 
         .unwrap_or_default()
 }
 
-/// Whether a request of `class` may go on to `upstream`, or the class it was shed as.
-pub fn admit(node: &NodeShed, upstream: &Upstream, class: Priority) -> Result<(), Priority> {
+/// Whether a request of `class` may go on to `upstream`, or the class it was shed as; the
+/// class is worked out only while something sheds.
+pub fn admit(node: &NodeShed, upstream: &Upstream, class: impl FnOnce() -> Priority) -> Result<(), Priority> {
     if node.cpu.level() == 0 && upstream.shed.level() == 0 {
         return Ok(());
     }
+    let class = class();
     let draw = fastrand::u32(..100);
     if node.cpu.admits(class.rank(), draw) && upstream.shed.admits(class.rank(), draw) { Ok(()) } else { Err(class) }
 }
