@@ -15,7 +15,7 @@ use criterion::{Criterion, criterion_group};
 use http::{HeaderMap, HeaderValue};
 use postern_builtin_filters::auth::{Authenticator, CredentialStore, Methods, apikey, jwt, unix_now};
 use postern_model::SnapshotFile;
-use postern_model::credentials::{Alg, ApiKey, App, Credentials, DenyEntry, KeyStatus, Priority, SigningKey};
+use postern_model::credentials::{Alg, ApiKey, App, Credentials, DenyEntry, KeyStatus, SigningKey};
 
 /// The node's allocator, so load figures match the node's.
 #[global_allocator]
@@ -32,7 +32,7 @@ fn key_record(i: usize, raw: &str) -> ApiKey {
         tenant: format!("tenant-{}", i / 10),
         plan: ["free", "pro", "partner"][i % 3].to_owned(),
         scopes: vec!["orders:read".into(), "orders:write".into()],
-        priority: Priority::Standard,
+        priority: None,
         status: KeyStatus::Active,
         successor: None,
         expires_at: None,
@@ -48,10 +48,7 @@ fn credentials(keys: usize) -> (Credentials, String) {
         issuer: "https://id".into(),
         public_key_pem: EC_PUBLIC.into(),
     }];
-    c.apps.insert(
-        "app-1".into(),
-        App { plan: "partner".into(), tenant: Some("acme".into()), priority: Priority::Standard },
-    );
+    c.apps.insert("app-1".into(), App { plan: "partner".into(), tenant: Some("acme".into()), priority: None });
     let first = apikey::generate(apikey::KeyEnv::Live).unwrap();
     c.keys.push(key_record(0, &first));
     for i in 1..keys {

@@ -637,6 +637,7 @@ mod tests {
             key_id: Some(Bytes::from_static(b"k")),
             plan: Some(Bytes::from_static(b"p")),
             scopes: Bytes::new(),
+            priority: None,
         };
         let _ = cx.identity.set(Arc::new(id));
         let (mut req, ()) = http::Request::new(()).into_parts();

@@ -426,9 +426,10 @@ pub(crate) enum KeyCommand {
         /// A granted scope (repeatable).
         #[arg(long = "scope", value_name = "SCOPE")]
         scopes: Vec<String>,
-        /// Priority class: critical, standard, free or sheddable.
-        #[arg(long, default_value = "standard", value_parser = parse_priority)]
-        priority: Priority,
+        /// The key's own priority class (critical, standard, free or sheddable), above
+        /// its plan's and below a route's; without it, the plan's.
+        #[arg(long, value_parser = parse_priority)]
+        priority: Option<Priority>,
         /// Make an ak_test_ key instead of ak_live_.
         #[arg(long)]
         test: bool,

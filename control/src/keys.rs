@@ -134,8 +134,8 @@ pub struct NewKey {
     pub plan: String,
     /// Granted scopes.
     pub scopes: Vec<String>,
-    /// Priority class.
-    pub priority: Priority,
+    /// The key's own priority class (none: its plan's).
+    pub priority: Option<Priority>,
     /// `ak_live_` or `ak_test_`.
     pub env: KeyEnv,
 }
@@ -493,7 +493,7 @@ mod tests {
             tenant: "acme".into(),
             plan: "gold".into(),
             scopes: vec!["orders:read".into(), "orders:write".into()],
-            priority: Priority::Critical,
+            priority: Some(Priority::Critical),
             env: KeyEnv::Live,
         }
     }
@@ -522,7 +522,7 @@ mod tests {
         assert_eq!(keys.len(), 2);
         let k = &keys[1];
         assert_eq!(k.sha256, hex::encode(apikey::hash(raw.as_bytes())));
-        assert_eq!((k.id.as_str(), k.status, k.priority), ("k1", KeyStatus::Active, Priority::Critical));
+        assert_eq!((k.id.as_str(), k.status, k.priority), ("k1", KeyStatus::Active, Some(Priority::Critical)));
         assert_eq!(k.scopes, ["orders:read", "orders:write"]);
 
         let err = new_key(dir.path(), &spec("k1")).unwrap_err().to_string();

@@ -32,9 +32,9 @@ pub struct CreateBody {
     /// Granted scopes.
     #[serde(default)]
     pub scopes: Vec<String>,
-    /// Priority class.
+    /// The key's own priority class (none: its plan's).
     #[serde(default)]
-    pub priority: postern_model::credentials::Priority,
+    pub priority: Option<postern_model::credentials::Priority>,
     /// An `ak_test_` key.
     #[serde(default)]
     pub test: bool,

@@ -274,6 +274,7 @@ fn identity(v: &Verified, store: &CredentialStore) -> Identity {
         key_id: None,
         plan: app.map(|a| a.plan.clone()),
         scopes: v.scopes.clone(),
+        priority: app.and_then(|a| a.priority),
     }
 }
 

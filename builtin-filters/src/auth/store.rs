@@ -53,6 +53,8 @@ pub struct AppEntry {
     pub plan: Bytes,
     /// Tenant.
     pub tenant: Option<Bytes>,
+    /// The app's own priority class, as a rank ([`Identity::priority`]).
+    pub priority: Option<u8>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -331,6 +333,7 @@ fn key_entry(
         key_id: Some(header_value(&k.id, "id").map_err(|e| at(e.to_string()))?),
         plan: Some(names.get(&k.plan, "plan").map_err(|e| at(e.to_string()))?),
         scopes: last_scopes.1.clone(),
+        priority: k.priority.map(postern_model::Priority::rank_u8),
     };
     let entry = KeyEntry {
         identity: Arc::new(identity),
@@ -513,7 +516,8 @@ impl CredentialStore {
                 Some(t) => Some(names.get(t, &format!("{at}.tenant"))?),
                 None => None,
             };
-            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant });
+            let priority = app.priority.map(postern_model::Priority::rank_u8);
+            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant, priority });
         }
 
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());

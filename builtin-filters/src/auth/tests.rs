@@ -43,7 +43,7 @@ fn api_key(id: &str, raw: &str, plan: &str, scopes: &[&str]) -> ApiKey {
         tenant: "acme".into(),
         plan: plan.into(),
         scopes: scopes.iter().map(|s| (*s).to_owned()).collect(),
-        priority: Priority::Standard,
+        priority: None,
         status: KeyStatus::Active,
         successor: None,
         expires_at: None,
@@ -60,11 +60,8 @@ impl Fixture {
             SigningKeySpec { kid: "e1".into(), alg: Alg::ES256, issuer: ISS.into(), public_key_pem: EC_PUBLIC.into() },
             SigningKeySpec { kid: "r1".into(), alg: Alg::RS256, issuer: ISS.into(), public_key_pem: RSA_PUBLIC.into() },
         ];
-        creds.apps.insert(
-            "app-1".into(),
-            App { plan: "partner".into(), tenant: Some("acme".into()), priority: Priority::Standard },
-        );
-        creds.apps.insert("app-free".into(), App { plan: "free".into(), tenant: None, priority: Priority::Free });
+        creds.apps.insert("app-1".into(), App { plan: "partner".into(), tenant: Some("acme".into()), priority: None });
+        creds.apps.insert("app-free".into(), App { plan: "free".into(), tenant: None, priority: Some(Priority::Free) });
         creds.keys = vec![
             api_key("k-1", &key, "partner", &["orders:read", "orders:write"]),
             api_key("k-free", &free_key, "free", &["orders:read"]),
@@ -177,6 +174,18 @@ fn an_api_key_authenticates_and_sets_identity_headers() {
     assert!(h.get("x-api-key").is_none(), "the credential is never forwarded");
     let id = cx.identity().unwrap();
     assert_eq!(id.kind, postern_filter_contract::CredentialKind::ApiKey);
+    assert_eq!(id.priority, None, "no class of its own: its plan's");
+}
+
+#[test]
+fn a_keys_own_priority_class_reaches_its_identity() {
+    let mut f = Fixture::new();
+    f.creds.keys[0].priority = Some(Priority::Critical);
+    f.apply(2);
+    let filter = f.filter(&[AuthMethod::ApiKey], &["orders:read"]);
+    let (status, _, _, cx) = run(&filter, &[("x-api-key", &f.key)]);
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(cx.identity().unwrap().priority, Some(Priority::Critical.rank_u8()));
 }
 
 #[test]

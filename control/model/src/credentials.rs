@@ -315,9 +315,10 @@ pub struct App {
     /// The tenant (developer organisation) that owns the app.
     #[serde(default)]
     pub tenant: Option<String>,
-    /// Priority class.
-    #[serde(default)]
-    pub priority: Priority,
+    /// The app's own priority class: when set, its requests' class, above its plan's and
+    /// below a route's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
 }
 
 /// Whether an API key works.
@@ -348,9 +349,10 @@ pub struct ApiKey {
     /// Granted scopes.
     #[serde(default)]
     pub scopes: Vec<String>,
-    /// Priority class.
-    #[serde(default)]
-    pub priority: Priority,
+    /// The key's own priority class: when set, its requests' class, above its plan's and
+    /// below a route's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
     /// Active or revoked.
     #[serde(default)]
     pub status: KeyStatus,

@@ -276,6 +276,16 @@ impl Priority {
     pub fn rank(self) -> usize {
         self as usize
     }
+
+    /// The rank as a byte (there are four classes).
+    pub fn rank_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// The class of a rank, if there is one.
+    pub fn of_rank(rank: u8) -> Option<Priority> {
+        Priority::ALL.get(usize::from(rank)).copied()
+    }
 }
 
 impl Plan {

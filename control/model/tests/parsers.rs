@@ -86,7 +86,7 @@ proptest! {
 
 #[test]
 fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
-    use postern_model::credentials::{ApiKey, App, CredentialsDelta, KeyStatus, Priority, TraceFlag};
+    use postern_model::credentials::{ApiKey, App, CredentialsDelta, KeyStatus, TraceFlag};
     use postern_model::usage::CallerKind;
     let key = |id: &str, sha: &str, status: KeyStatus| ApiKey {
         id: id.into(),
@@ -95,7 +95,7 @@ fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
         tenant: "t".into(),
         plan: "p".into(),
         scopes: vec![],
-        priority: Priority::Standard,
+        priority: None,
         status,
         successor: None,
         expires_at: None,
@@ -118,6 +118,6 @@ fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
     let off = traced.with_delta(&CredentialsDelta { debug_trace: vec![flag(100)], ..CredentialsDelta::between(3, 4) });
     assert_eq!(off.debug_trace, vec![flag(100)]);
     // A difference the delta does not carry (an app) means it is not the whole version.
-    whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: Priority::Standard });
+    whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: None });
     assert!(!base.with_delta(&delta).same_state(&whole));
 }

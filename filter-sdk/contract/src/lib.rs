@@ -94,6 +94,9 @@ pub struct Identity {
     pub plan: Option<Bytes>,
     /// Granted scopes, space-separated.
     pub scopes: Bytes,
+    /// The caller's own priority class (its key's or its app's), when it sets one: the
+    /// class's rank, 0 the most important.
+    pub priority: Option<u8>,
 }
 
 /// Who a call counts against: its API key, or for an access token its OAuth app.
