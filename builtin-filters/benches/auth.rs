@@ -50,7 +50,7 @@ fn credentials(keys: usize) -> (Credentials, String) {
     }];
     c.apps.insert(
         "app-1".into(),
-        App { plan: "partner".into(), tenant: Some("acme".into()), priority: Priority::Standard },
+        App { plan: "partner".into(), tenant: Some("acme".into()), priority: Priority::Standard, issuer: None },
     );
     let first = apikey::generate(apikey::KeyEnv::Live).unwrap();
     c.keys.push(key_record(0, &first));

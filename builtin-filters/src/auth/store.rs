@@ -53,6 +53,8 @@ pub struct AppEntry {
     pub plan: Bytes,
     /// Tenant.
     pub tenant: Option<Bytes>,
+    /// The only issuer whose tokens may name this app, when it is bound to one.
+    pub issuer: Option<Box<str>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -513,7 +515,13 @@ impl CredentialStore {
                 Some(t) => Some(names.get(t, &format!("{at}.tenant"))?),
                 None => None,
             };
-            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant });
+            if let Some(iss) = &app.issuer
+                && !creds.signing_keys.iter().any(|k| k.issuer == *iss)
+            {
+                return Err(format!("{at}.issuer: no signing key has the issuer {iss:?}").into());
+            }
+            let issuer = app.issuer.as_deref().map(Box::from);
+            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant, issuer });
         }
 
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());
