@@ -344,7 +344,7 @@ impl Reader<'_> {
         // `enum` and `const` (compared exactly by the schema validator) judge the number
         // the client sent, not its neighbour. Below 2^53 a fraction reads as its nearest
         // double, as in every JSON reader without decimals.
-        if f.abs() >= EXACT_INTEGERS && !names_the_double(tok, f) {
+        if f.is_finite() && f.abs() >= EXACT_INTEGERS && !names_the_double(tok, f) {
             return Err(JsonError { reason: Reason::NumberInexact, offset: start });
         }
         Number::from_f64(f).map(Value::Number).ok_or(out_of_range)
@@ -552,7 +552,8 @@ mod tests {
         assert!(inexact("1.00000000000000000001e20"));
         assert!(inexact("9007199254740993.0"), "2^53 + 1 as a fraction reads as 2^53");
         assert!(inexact("100000000000000000000.5"));
-        assert!(inexact("1.0000000000000001e23"), "neither 1e23's exact value nor its shortest");
+        assert!(inexact("1.00000000000000001e23"), "reads as 1.0000000000000001e23, and is not it");
+        assert_eq!(read("1.0000000000000001e23"), Ok(serde_json::json!(1.000_000_000_000_000_1e23_f64)));
         // A double's exact value or its shortest decimal, in any spelling: taken, as that
         // double.
         for t in ["100000000000000000000", "1e20", "1E+20", "10.0e19", "0.1e21", "-1e20", "100000000000000000000.000"] {
