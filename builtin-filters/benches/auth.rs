@@ -48,7 +48,10 @@ fn credentials(keys: usize) -> (Credentials, String) {
         issuer: "https://id".into(),
         public_key_pem: EC_PUBLIC.into(),
     }];
-    c.apps.insert("app-1".into(), App { plan: "partner".into(), tenant: Some("acme".into()), priority: None });
+    c.apps.insert(
+        "app-1".into(),
+        App { plan: "partner".into(), tenant: Some("acme".into()), priority: None, issuer: None },
+    );
     let first = apikey::generate(apikey::KeyEnv::Live).unwrap();
     c.keys.push(key_record(0, &first));
     for i in 1..keys {

@@ -209,9 +209,18 @@ pub fn compile_credentials(root: &Path, plans: &BTreeMap<String, Plan>) -> Resul
             signing_keys.push(k);
         }
     }
+    let issuers: std::collections::BTreeSet<&str> = signing_keys.iter().map(|k| k.issuer.as_str()).collect();
     for (client_id, app) in &auth.apps {
         if !plans.contains_key(&app.plan) {
             errors.push(format!("{AUTH_FILE}: apps.{client_id}.plan: {}", unknown_plan(&app.plan, plans)));
+        }
+        // With several issuers, an app not bound to one would take any issuer's token
+        // naming its client_id.
+        if app.issuer.is_none() && issuers.len() > 1 {
+            let list = issuers.iter().copied().collect::<Vec<_>>().join(", ");
+            errors.push(format!(
+                "{AUTH_FILE}: apps.{client_id}.issuer: required when the signing keys name more than one issuer ({list})"
+            ));
         }
     }
     for (line, key) in &keys {
@@ -289,6 +298,34 @@ mod tests {
             std::fs::write(dir.path().join(KEYS_FILE), k).unwrap();
         }
         dir
+    }
+
+    #[test]
+    fn apps_name_their_issuer_when_the_keys_name_several() {
+        use postern_model::credentials::Alg;
+        let (a, b) = (crate::keys::keygen(Alg::ES256).unwrap(), crate::keys::keygen(Alg::ES256).unwrap());
+        let key = |kid: &str, iss: &str, pem: &str| crate::keys::signing_key_yaml(kid, Alg::ES256, iss, pem).unwrap();
+        let base = format!(
+            "jwt:\n  audiences: [api]\nsigning_keys:\n{}{}apps:\n",
+            key("a", "https://a.example", &a.public_pem),
+            key("b", "https://b.example", &b.public_pem)
+        );
+        let compile = |app: &str| {
+            let dir = repo(Some(&format!("{base}  cid: {app}\n")), None);
+            compile_credentials(dir.path(), &plans(&["gold"]))
+        };
+        assert_eq!(
+            compile("{plan: gold}").unwrap_err(),
+            vec![
+                "platform/auth.yaml: apps.cid.issuer: required when the signing keys name more than one issuer \
+                 (https://a.example, https://b.example)"
+                    .to_owned()
+            ]
+        );
+        let creds = compile(r#"{plan: gold, issuer: "https://b.example"}"#).unwrap();
+        assert_eq!(creds.apps["cid"].issuer.as_deref(), Some("https://b.example"));
+        let e = compile(r#"{plan: gold, issuer: "https://c.example"}"#).unwrap_err();
+        assert!(e.len() == 1 && e[0].contains("apps.cid.issuer: no signing key has the issuer"), "{e:?}");
     }
 
     #[test]

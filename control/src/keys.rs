@@ -677,7 +677,7 @@ mod tests {
         std::fs::write(dir.path().join("platform/keys/k1.pub.pem"), &pair.public_pem).unwrap();
         let auth = format!(
             "jwt:\n  audiences: [api]\nsigning_keys:\n{yaml}  - kid: k2\n    alg: ES256\n    issuer: i\n    \
-             public_key_file: platform/keys/k1.pub.pem\napps:\n  cid1: {{plan: gold}}\n"
+             public_key_file: platform/keys/k1.pub.pem\napps:\n  cid1: {{plan: gold, issuer: i}}\n"
         );
         std::fs::write(dir.path().join("platform/auth.yaml"), auth).unwrap();
         new_key(dir.path(), &spec("key1")).unwrap();

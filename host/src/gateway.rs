@@ -40,4 +40,6 @@ pub struct Gateway {
     pub shed: crate::cluster::shedding::NodeShed,
     /// The node's admission budget, with the partner pool's share.
     pub admission: crate::cluster::shedding::Admission,
+    /// The node's places for answers being compressed.
+    pub compressing: Arc<crate::request::compress::Slots>,
 }

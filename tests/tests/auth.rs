@@ -360,3 +360,77 @@ async fn revocations_apply_on_a_kept_alive_connection() {
     assert_eq!(on_conn(&mut sender, &host, "/orders", &[("authorization", &other)]).await, StatusCode::OK);
     assert!(node.log().contains("credentials refused"));
 }
+
+/// With two identity services, each OAuth app is bound to its issuer: a token one service
+/// signed that names the other's app is refused (401, counted as `app_issuer_mismatch`),
+/// and `posternctl compile` refuses an app without its issuer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apps_client_id_is_honoured_only_from_its_own_issuer() {
+    const OTHER: &str = "https://other-id.example.com";
+    let echo = Echo::start("orders");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write(
+        "platform/plans.yaml",
+        "scopes: [orders:read]\nproducts: [orders]\nplans:\n  partner: { products: [orders] }\n  other: { products: [orders] }\n",
+    );
+    let auth = |apps: &str| {
+        format!(
+            "jwt:\n  audiences: [{AUD}]\nsigning_keys:\n  - kid: e1\n    alg: ES256\n    issuer: {ISS}\n    public_key_pem: |\n{}  - kid: r1\n    alg: RS256\n    issuer: {OTHER}\n    public_key_pem: |\n{}apps:\n{apps}",
+            indent(&pem("ec-test-public.pem"), 6),
+            indent(&pem("rsa-test-public.pem"), 6)
+        )
+    };
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:\n  - name: orders\n    match: { path: { value: /orders } }\n    backendRefs: [{ name: e }]\n    timeouts: { connect: 1s, response: 5s }\n    auth: { methods: [jwt], scopes: [orders:read], product: orders }\n",
+    );
+    let out = tempfile::tempdir().unwrap();
+    let snap = out.path().join("snapshot.json");
+    // An app not bound to an issuer, with two issuers: refused at compile, by name.
+    repo.write("platform/auth.yaml", &auth("  app-1: { plan: partner }\n"));
+    let o = repo.compile(&snap);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("apps.app-1.issuer: required when the signing keys name more than one issuer"),
+        "{err}"
+    );
+
+    repo.write(
+        "platform/auth.yaml",
+        &auth(&format!(
+            "  app-1: {{ plan: partner, issuer: \"{ISS}\" }}\n  app-2: {{ plan: other, issuer: \"{OTHER}\" }}\n"
+        )),
+    );
+    repo.compile_ok(&snap);
+    let node = Node::start(&snap, &[]);
+    let rs256 = |client: &str, jti: &str| {
+        let mut c = claims("mallory", jti);
+        c["iss"] = json!(OTHER);
+        c["client_id"] = json!(client);
+        let msg = format!(
+            "{}.{}",
+            URL_SAFE_NO_PAD.encode(serde_json::to_vec(&json!({"alg": "RS256", "kid": "r1", "typ": "at+jwt"})).unwrap()),
+            URL_SAFE_NO_PAD.encode(serde_json::to_vec(&c).unwrap())
+        );
+        let key = jsonwebtoken::EncodingKey::from_rsa_pem(pem("rsa-test-private.pem").as_bytes()).unwrap();
+        let sig = jsonwebtoken::crypto::sign(msg.as_bytes(), &key, jsonwebtoken::Algorithm::RS256).unwrap();
+        format!("Bearer {msg}.{sig}")
+    };
+    const REFUSED: &str = "postern_auth_requests_total{outcome=\"app_issuer_mismatch\"}";
+    // The other service's token naming app-1: refused, like any bad token, and counted.
+    let r = get(&node.url("/orders"), &[("authorization", &rs256("app-1", "jti-x"))]).await;
+    assert_refused(&r, StatusCode::UNAUTHORIZED, "invalid_credentials", "another issuer's token for app-1");
+    assert_eq!(node.metric(REFUSED).await, 1);
+    // Each service's token for its own app: served, as that app.
+    let r = get(&node.url("/orders"), &[("authorization", &rs256("app-2", "jti-y"))]).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.echoed("x-auth-client-id").as_deref(), Some("app-2"));
+    assert_eq!(r.echoed("x-auth-plan").as_deref(), Some("other"));
+    let r = get(&node.url("/orders"), &[("authorization", &format!("Bearer {}", token("alice", "jti-z")))]).await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    assert_eq!(r.echoed("x-auth-client-id").as_deref(), Some("app-1"));
+    assert_eq!(echo.count().await, 2, "the refused token never reached the backend");
+    assert_eq!(node.metric(REFUSED).await, 1);
+}

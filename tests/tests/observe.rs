@@ -84,7 +84,14 @@ async fn per_key_usage_access_logs_and_bounded_metrics() {
     let cp = serve(repo.path(), store.to_str().unwrap(), &tokens, &["--dwell", "0s"]);
     ctl(&cp, &["publish"]);
     let log = work.path().join("logs/access.log");
-    let node = start_node_with(&cp.url, &work.path().join("n0"), "node-0", &["--access-log", log.to_str().unwrap()]);
+    // Every error is counted here, the anonymous 401s too: no budget for those (it has
+    // its own test, `anonymous_client_errors_cannot_roll_the_access_log`).
+    let node = start_node_with(
+        &cp.url,
+        &work.path().join("n0"),
+        "node-0",
+        &["--access-log", log.to_str().unwrap(), "--access-log-anonymous-errors-per-s", "1000000"],
+    );
     // Until the keys arrive, the node refuses k2: those 401s are logged too.
     let early = std::cell::Cell::new(0);
     wait_for("the node to take the keys", Duration::from_secs(20), async || {
@@ -158,7 +165,8 @@ async fn per_key_usage_access_logs_and_bounded_metrics() {
     assert!(chart.chars().any(|c| ('▁'..='█').contains(&c)), "a sparkline: {chart}");
     eprintln!("{chart}");
 
-    // The access log: every error, about 1 % of successes, never a credential. A
+    // The access log: every error (under a budget of anonymous client errors larger
+    // than this test sends), about 1 % of successes, never a credential. A
     // request's line is queued when its response ends, before its connection closes: once
     // the client's connections are closed (the node counts none open), every line is
     // queued. Then one more error, the marker, queues last; the queue is written in

@@ -536,3 +536,113 @@ async fn statuses_that_forbid_a_body_go_out_without_one() {
         assert!(r.header("content-length").is_none() && r.body.is_empty(), "{path} over HTTP/2: {r:?}");
     }
 }
+
+/// An anonymous client sending bad requests as fast as the node answers them gets at
+/// most `--access-log-anonymous-errors-per-s` access-log lines a second (the rest are
+/// counted in `postern_access_log_dropped_total{reason="anonymous_client_error"}`);
+/// server errors and an authenticated caller's client errors are all logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_client_errors_cannot_roll_the_access_log() {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write("platform/plans.yaml", "scopes: []\nproducts: [internal]\nplans:\n  p: { products: [internal] }\n");
+    repo.write("teams/t/routes.yaml", ROUTES);
+    let key = postern_e2e::new_key(repo.path(), "k1", "app", "acme", "p", &[]);
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("access.log");
+    let node = Node::start(
+        &snap,
+        &[
+            "--access-log",
+            log.to_str().unwrap(),
+            "--access-log-anonymous-errors-per-s",
+            "5",
+            "--access-log-sample",
+            "0",
+        ],
+    );
+    const DROPPED: &str = "postern_access_log_dropped_total{reason=\"anonymous_client_error\"}";
+
+    // The attack: 300 client errors of every kind an anonymous caller can cause (a
+    // backend's 404, the gateway's 404 for no route, 401 for no credential).
+    let started = Instant::now();
+    for i in 0..300 {
+        let (path, want) = match i % 3 {
+            0 => ("/public/x?status=404", StatusCode::NOT_FOUND),
+            1 => ("/nowhere", StatusCode::NOT_FOUND),
+            _ => ("/admin/x", StatusCode::UNAUTHORIZED),
+        };
+        assert_eq!(get(&node.url(path), &[]).await.status, want, "{path}");
+    }
+    // An interval of t seconds touches at most ⌊t⌋ + 2 of the log's seconds.
+    let seconds = started.elapsed().as_secs() + 2;
+    let dropped = node.metric(DROPPED).await;
+    let anonymous_logged = 300 - dropped;
+    assert!(anonymous_logged <= 5 * seconds, "{anonymous_logged} anonymous client errors logged in {seconds} s");
+    assert!(anonymous_logged >= 5, "the first of a second are logged: {anonymous_logged}");
+
+    // What must stay whole: an authenticated caller's client errors, everyone's server
+    // errors.
+    for _ in 0..20 {
+        let r = get(&node.url("/admin/x?status=404"), &[("x-api-key", &key)]).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert_eq!(get(&node.url("/public/x?status=500"), &[]).await.status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    assert_eq!(node.metric(DROPPED).await, dropped, "only anonymous client errors are sampled");
+    let expected = anonymous_logged + 40;
+    postern_e2e::control_plane::wait_for("every wanted line written", HANG, async || {
+        node.metric("postern_access_log_lines_total{outcome=\"written\"}").await >= expected
+    })
+    .await;
+    assert_eq!(node.metric("postern_access_log_lines_total{outcome=\"written\"}").await, expected);
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len() as u64, expected);
+    let count = |f: &dyn Fn(&Value) -> bool| lines.iter().filter(|l| f(l)).count();
+    assert_eq!(count(&|l| l["status"] == 500), 20, "every server error");
+    assert_eq!(count(&|l| l["status"] == 404 && l["caller"] == "k1"), 20, "every authenticated client error");
+    assert_eq!(
+        count(&|l| l.get("caller").is_none() && l["status"].as_u64().is_some_and(|s| s < 500)) as u64,
+        anonymous_logged
+    );
+}
+
+/// The admin listener (metrics, `/readyz`, `/snapshot`, `/usage/windows`) has no
+/// authentication: a node refuses to start with it on an address other hosts reach
+/// unless `--admin-beyond-loopback` asks for it, and then serves it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_stays_on_loopback_unless_asked() {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    platform(&repo, &[("e", &echo.addr())]);
+    repo.write("platform/plans.yaml", "scopes: []\nproducts: [internal]\nplans:\n  p: { products: [internal] }\n");
+    repo.write("teams/t/routes.yaml", ROUTES);
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let mut child = std::process::Command::new(postern_e2e::bin("postern"))
+        .arg("--snapshot")
+        .arg(&snap)
+        .args(["--public", "127.0.0.1:0", "--partner", "127.0.0.1:0", "--admin", "0.0.0.0:0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + HANG;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("started with its admin listener on 0.0.0.0");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--admin 0.0.0.0:0") && err.contains("--admin-beyond-loopback"), "{err}");
+
+    let node = Node::start(&snap, &["--admin", "0.0.0.0:0", "--admin-beyond-loopback"]);
+    assert_eq!(get(&node.admin_url("/healthz"), &[]).await.status, StatusCode::OK);
+}

@@ -275,3 +275,154 @@ async fn answers_are_compressed_as_they_stream() {
         assert!(!resp.headers().contains_key("content-encoding"), "{path} {accept}");
     }
 }
+
+/// The node compresses at most `--max-compressing-streams` answers at once (each holds an
+/// encoder's window for its stream's life): past it, an answer goes out whole and
+/// uncompressed, counted; a place is given back when its stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_compresses_at_most_its_cap_of_streams_at_once() {
+    use http_body_util::BodyExt;
+    let echo = Echo::start("e");
+    let (written, mut arrived) = written_backend().await;
+    let repo = Repo::new();
+    postern_e2e::platform(&repo, &[("e", &echo.addr()), ("w", &written)]);
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:
+  - name: c
+    public: true
+    match: { path: { value: /c } }
+    backendRefs: [{ name: e }]
+    timeouts: { connect: 1s, response: 2s }
+    compress: { minBytes: 2048 }
+  - name: stream
+    public: true
+    match: { path: { value: /stream } }
+    backendRefs: [{ name: w }]
+    timeouts: { connect: 1s, response: 30s, bodyIdle: 30s, bodyTotal: 60s }
+    compress: { minBytes: 2048 }
+",
+    );
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let node = Node::start(&snap, &["--max-compressing-streams", "2"]);
+    let client = postern_e2e::client();
+    let fetch = |path: &str| {
+        let req = http::Request::get(node.url(path)).header("accept-encoding", "zstd, gzip");
+        client.request(req.body(http_body_util::Full::new(bytes::Bytes::new())).unwrap())
+    };
+    const SKIPPED: &str = "postern_compression_skipped_total{reason=\"node_cap\"}";
+    assert_eq!(node.metric("postern_compressing_streams_max").await, 2);
+
+    // Two streams the backend holds open take both places.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let pending = tokio::spawn(fetch("/stream"));
+        let sender = tokio::time::timeout(HANG, arrived.recv()).await.expect("never reached the backend").unwrap();
+        sender.send(bytes::Bytes::from(vec![b'x'; 65_536])).unwrap();
+        let resp = tokio::time::timeout(HANG, pending).await.expect("no answer's head").unwrap().unwrap();
+        assert_eq!(resp.headers()["content-encoding"], "zstd");
+        held.push((sender, resp));
+    }
+    assert_eq!(node.metric("postern_compressing_streams").await, 2);
+
+    // A third answer worth compressing goes out as the backend sent it, whole.
+    let resp = fetch("/c?bytes=65536&type=text/plain").await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(!resp.headers().contains_key("content-encoding"), "compressed past the cap");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 65_536);
+    assert_eq!(node.metric(SKIPPED).await, 1);
+    assert_eq!(node.metric("postern_compressing_streams").await, 2);
+
+    // The held streams end; their places come back and the next answer is compressed.
+    for (sender, resp) in held {
+        drop(sender);
+        tokio::time::timeout(HANG, resp.into_body().collect()).await.expect("the body never ended").unwrap();
+    }
+    postern_e2e::control_plane::wait_for("the places given back", HANG, async || {
+        node.metric("postern_compressing_streams").await == 0
+    })
+    .await;
+    let resp = fetch("/c?bytes=65536&type=text/plain").await.unwrap();
+    assert_eq!(resp.headers()["content-encoding"], "zstd");
+    assert_eq!(node.metric(SKIPPED).await, 1);
+}
+
+/// A number of 2^53 or more that is no double's exact value nor its shortest decimal
+/// would be judged as the double next to it (`100000000000000000001` passes
+/// `maximum: 1e20` as 1e20): it is refused, 400 `invalid_json`, and never reaches the
+/// backend; a number that names a double is judged exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_integers_are_judged_as_sent_or_refused() {
+    let echo = Echo::start("e");
+    let repo = Repo::new();
+    postern_e2e::platform(&repo, &[("e", &echo.addr())]);
+    repo.write(
+        "teams/t/openapi/ledger.yaml",
+        r#"openapi: 3.0.3
+info: { title: Ledger, version: "1" }
+paths:
+  /entries:
+    post:
+      operationId: postEntry
+      requestBody:
+        required: true
+        content:
+          application/json:
+            schema:
+              type: object
+              properties:
+                amount: { type: integer, maximum: 1.0e+20 }
+                code: { enum: [9007199254740993] }
+      responses:
+        "201": { description: created }
+"#,
+    );
+    repo.write(
+        "teams/t/routes.yaml",
+        "routes:
+  - name: ledger
+    public: true
+    match: { path: { value: /entries } }
+    backendRefs: [{ name: e }]
+    timeouts: { connect: 1s, response: 2s }
+    validate: { openapi: ledger.yaml, operationId: postEntry }
+",
+    );
+    let snap = repo.path().join("snapshot.json");
+    repo.compile_ok(&snap);
+    let node = Node::start(&snap, &[]);
+    let url = node.url("/entries");
+    let post = |body: &'static str| send(Method::POST, &url, &[("content-type", "application/json")], body);
+    // Past the bound, however it is spelt: refused by the reader or by the bound.
+    for body in [
+        r#"{"amount": 100000000000000000001}"#,
+        r#"{"amount": 100000000000000000000.5}"#,
+        r#"{"amount": 1.00000000000000000001e20}"#,
+    ] {
+        let r = post(body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(r.json()["code"], "invalid_json", "{body}: {:?}", r.body);
+        assert!(r.json()["detail"].as_str().unwrap().contains("does not name a double"), "{:?}", r.body);
+    }
+    let r = post(r#"{"amount": 100000000000000000002e1}"#).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{:?}", r.body);
+    // Past the bound by a whole double: the bound refuses it.
+    let r = post(r#"{"amount": 100000000000000016384}"#).await;
+    assert_eq!(pointers(&r), ["body:/amount"]);
+    // An enum of a 64-bit integer past 2^53: its neighbour is not it.
+    let r = post(r#"{"code": 9007199254740992}"#).await;
+    assert_eq!(pointers(&r), ["body:/code"]);
+    let r = post(r#"{"code": 9007199254740992.0}"#).await;
+    assert_eq!(pointers(&r), ["body:/code"]);
+    let r = post(r#"{"code": 9007199254740993.0}"#).await;
+    assert_eq!(r.json()["code"], "invalid_json", "{:?}", r.body);
+    assert_eq!(echo.count().await, 0, "nothing refused reached the backend");
+    // At the bound, in any spelling that names it; the enum's own value.
+    for body in [r#"{"amount": 100000000000000000000}"#, r#"{"amount": 1e20}"#, r#"{"code": 9007199254740993}"#] {
+        let r = post(body).await;
+        assert_eq!(r.status, StatusCode::OK, "{body}: {:?}", r.body);
+    }
+    assert_eq!(echo.count().await, 3);
+}

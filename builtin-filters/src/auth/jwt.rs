@@ -239,6 +239,11 @@ pub fn verify(store: &CredentialStore, token: &str, now: u64) -> Result<Verified
     if !aud_ok {
         return Err(Reason::WrongAudience);
     }
+    // An app bound to its issuer: another issuer's token naming its client_id would act
+    // (and be billed) as that app.
+    if store.app(&c.client_id).and_then(|a| a.issuer.as_deref()).is_some_and(|iss| *iss != *c.iss) {
+        return Err(Reason::AppIssuerMismatch);
+    }
     // Lifetime: not issued in the future, not longer-lived than the platform allows (which
     // is also how long user and app deny entries live).
     if c.iat > now.saturating_add(limits.leeway) {

@@ -91,11 +91,13 @@ pub enum Reason {
     NotInPlan,
     /// The caller's hard quota on the route's product is used up.
     QuotaExceeded,
+    /// A token's `client_id` names an app bound to another issuer than the token's.
+    AppIssuerMismatch,
 }
 
 impl Reason {
     /// Every reason, in index order.
-    pub const ALL: [Reason; 22] = [
+    pub const ALL: [Reason; 23] = [
         Reason::Ok,
         Reason::Missing,
         Reason::Ambiguous,
@@ -118,6 +120,7 @@ impl Reason {
         Reason::InsufficientScope,
         Reason::NotInPlan,
         Reason::QuotaExceeded,
+        Reason::AppIssuerMismatch,
     ];
 
     /// Metric label.
@@ -145,6 +148,7 @@ impl Reason {
             Reason::InsufficientScope => "insufficient_scope",
             Reason::NotInPlan => "product_not_in_plan",
             Reason::QuotaExceeded => "quota_exceeded",
+            Reason::AppIssuerMismatch => "app_issuer_mismatch",
         }
     }
 }

@@ -55,6 +55,8 @@ pub struct AppEntry {
     pub tenant: Option<Bytes>,
     /// The app's own priority class, as a rank ([`Identity::priority`]).
     pub priority: Option<u8>,
+    /// The only issuer whose tokens may name this app, when it is bound to one.
+    pub issuer: Option<Box<str>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -516,8 +518,14 @@ impl CredentialStore {
                 Some(t) => Some(names.get(t, &format!("{at}.tenant"))?),
                 None => None,
             };
+            if let Some(iss) = &app.issuer
+                && !creds.signing_keys.iter().any(|k| k.issuer == *iss)
+            {
+                return Err(format!("{at}.issuer: no signing key has the issuer {iss:?}").into());
+            }
+            let issuer = app.issuer.as_deref().map(Box::from);
             let priority = app.priority.map(postern_model::Priority::rank_u8);
-            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant, priority });
+            apps.insert(Box::from(client_id.as_str()), AppEntry { plan, tenant, priority, issuer });
         }
 
         let mut keys = FastMap::with_capacity_and_hasher(creds.keys.len(), foldhash::fast::RandomState::default());

@@ -60,8 +60,14 @@ impl Fixture {
             SigningKeySpec { kid: "e1".into(), alg: Alg::ES256, issuer: ISS.into(), public_key_pem: EC_PUBLIC.into() },
             SigningKeySpec { kid: "r1".into(), alg: Alg::RS256, issuer: ISS.into(), public_key_pem: RSA_PUBLIC.into() },
         ];
-        creds.apps.insert("app-1".into(), App { plan: "partner".into(), tenant: Some("acme".into()), priority: None });
-        creds.apps.insert("app-free".into(), App { plan: "free".into(), tenant: None, priority: Some(Priority::Free) });
+        creds.apps.insert(
+            "app-1".into(),
+            App { plan: "partner".into(), tenant: Some("acme".into()), priority: None, issuer: None },
+        );
+        creds.apps.insert(
+            "app-free".into(),
+            App { plan: "free".into(), tenant: None, priority: Some(Priority::Free), issuer: None },
+        );
         creds.keys = vec![
             api_key("k-1", &key, "partner", &["orders:read", "orders:write"]),
             api_key("k-free", &free_key, "free", &["orders:read"]),
@@ -617,4 +623,35 @@ fn a_caller_over_its_hard_quota_gets_429_until_the_period_ends() {
     );
     let refused = f.auth.stats.snapshot().find(|(r, _)| *r == Reason::QuotaExceeded).map(|(_, n)| n);
     assert_eq!(refused, Some(1));
+}
+
+#[test]
+fn an_app_bound_to_its_issuer_takes_no_other_issuers_token() {
+    let mut f = Fixture::new();
+    // Two issuers: the RSA key signs for another identity service.
+    const OTHER: &str = "https://other-id.example.com";
+    f.creds.signing_keys[1].issuer = OTHER.into();
+    f.creds.apps.get_mut("app-1").unwrap().issuer = Some(ISS.into());
+    f.apply(2);
+    let rs256 = |claims: &Value| {
+        sign(&json!({"alg": "RS256", "kid": "r1", "typ": "at+jwt"}), claims, Algorithm::RS256, RSA_PRIVATE)
+    };
+    let mut theirs = claims("mallory");
+    theirs["iss"] = json!(OTHER);
+    // The other issuer's token naming app-1 (its signature and issuer are good).
+    assert_eq!(jwt_reason(&f, &rs256(&theirs)), Err(Reason::AppIssuerMismatch));
+    let filter = f.filter(&[AuthMethod::Jwt], &["orders:read"]);
+    let (status, _, r, _) = run(&filter, &[("authorization", &bearer(&rs256(&theirs)))]);
+    assert_eq!((status, code(&r)), (StatusCode::UNAUTHORIZED, "invalid_credentials"));
+    let refused = f.auth.stats.snapshot().find(|(r, _)| *r == Reason::AppIssuerMismatch).unwrap().1;
+    assert_eq!(refused, 1);
+    // App-1's own issuer: taken. Another app, not bound, takes the other issuer's token.
+    assert_eq!(jwt_reason(&f, &es256(&claims("alice"))), Ok(()));
+    theirs["client_id"] = json!("app-free");
+    assert_eq!(jwt_reason(&f, &rs256(&theirs)), Ok(()));
+    // An app bound to an issuer no signing key has is refused when the state is built.
+    f.creds.apps.get_mut("app-1").unwrap().issuer = Some("https://nobody.example".into());
+    let e = CredentialStore::build(3, &f.creds, now()).unwrap_err().to_string();
+    assert!(e.contains("apps.app-1.issuer: no signing key has the issuer"), "{e}");
+    assert_eq!(Reason::AppIssuerMismatch.as_str(), "app_issuer_mismatch");
 }

@@ -319,6 +319,11 @@ pub struct App {
     /// below a route's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// The issuer (`iss`) whose tokens may carry this `client_id`: a token of another
+    /// issuer naming it is refused (`app_issuer_mismatch`). Required when the signing
+    /// keys name more than one issuer; with one, that issuer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issuer: Option<String>,
 }
 
 /// Whether an API key works.

@@ -118,6 +118,6 @@ fn a_delta_makes_the_whole_version_only_when_it_carries_every_difference() {
     let off = traced.with_delta(&CredentialsDelta { debug_trace: vec![flag(100)], ..CredentialsDelta::between(3, 4) });
     assert_eq!(off.debug_trace, vec![flag(100)]);
     // A difference the delta does not carry (an app) means it is not the whole version.
-    whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: None });
+    whole.apps.insert("new".into(), App { plan: "p".into(), tenant: None, priority: None, issuer: None });
     assert!(!base.with_delta(&delta).same_state(&whole));
 }

@@ -1,8 +1,10 @@
 //! JSON access logs: one line per observed request, written off the request path.
 //!
-//! Which requests: every error (status 400 and above) and a share of the rest, decided
-//! from the request's random id so that the same requests are the sampled ones for
-//! logs and traces. What a line holds: the request id, trace id, route, caller (the
+//! Which requests: every server error, every client error of an authenticated caller,
+//! the first client errors of each second of callers who are not (so that an anonymous
+//! client sending bad requests cannot roll the log away; the rest are counted), and a
+//! share of the rest, decided from the request's random id so that the same requests are
+//! the sampled ones for logs and traces. What a line holds: the request id, trace id, route, caller (the
 //! key's id or the app's `client_id`, never a credential: neither the key, the token
 //! nor an `Authorization` or `x-api-key` value ever reaches a record), status, sizes,
 //! durations (total, gateway-added, upstream), the snapshot version and the filters'
@@ -19,7 +21,7 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
@@ -38,12 +40,24 @@ pub struct LogSettings {
     pub success_per_10k: u32,
     /// Records the queue holds; past it, records are dropped and counted.
     pub capacity: usize,
+    /// Client errors (4xx) of callers who did not authenticate logged per second, the
+    /// first ones of each second; the rest are counted, not logged. Server errors and
+    /// an authenticated caller's errors are always logged.
+    pub anonymous_errors_per_s: u32,
 }
 
 impl LogSettings {
-    /// A log at `path`: 100 MiB files, 5 kept, 1 % of successes, 16,384 queued records.
+    /// A log at `path`: 100 MiB files, 5 kept, 1 % of successes, 16,384 queued records,
+    /// 20 anonymous client errors a second.
     pub fn new(path: PathBuf) -> LogSettings {
-        LogSettings { path, max_bytes: 100 << 20, keep: 5, success_per_10k: 100, capacity: 16_384 }
+        LogSettings {
+            path,
+            max_bytes: 100 << 20,
+            keep: 5,
+            success_per_10k: 100,
+            capacity: 16_384,
+            anonymous_errors_per_s: 20,
+        }
     }
 
     /// The success rate as a fraction (`0.01`) in parts per 10,000, or an error.
@@ -82,6 +96,8 @@ pub struct LogStats {
     pub sink_failed: AtomicU64,
     /// Lines the sink took but could not deliver.
     pub undelivered: AtomicU64,
+    /// Client errors of anonymous callers not logged: past the second's budget.
+    pub anonymous_sampled_out: AtomicU64,
 }
 
 /// Where lines go besides the file (a Kafka topic): called on the log's thread only.
@@ -243,6 +259,12 @@ impl Record {
 pub struct AccessLog {
     queue: Drain<Record>,
     success_per_10k: u32,
+    /// The budget of anonymous client errors a second.
+    anonymous_per_s: u32,
+    /// The second (since `epoch`) in the upper 32 bits, the anonymous client errors
+    /// logged in it in the lower 32.
+    anonymous_window: AtomicU64,
+    epoch: Instant,
     /// Counters, for metrics.
     pub stats: LogStats,
 }
@@ -260,6 +282,9 @@ impl AccessLog {
         let log = Arc::new(AccessLog {
             queue: Drain::new(settings.capacity),
             success_per_10k: settings.success_per_10k.min(10_000),
+            anonymous_per_s: settings.anonymous_errors_per_s,
+            anonymous_window: AtomicU64::new(0),
+            epoch: Instant::now(),
             stats: LogStats::default(),
         });
         let worker = log.clone();
@@ -268,9 +293,38 @@ impl AccessLog {
     }
 
     /// Whether a request that ended with `status` is logged; `sample` is the request's
-    /// random id (the same requests are sampled for traces).
-    pub fn wants(&self, status: u16, sample: u128) -> bool {
-        status >= 400 || sampled(sample, self.success_per_10k)
+    /// random id (the same requests are sampled for traces). Every server error, every
+    /// client error of an authenticated caller, the first client errors of each second
+    /// of callers who are not (`anonymous`: anyone can send those as fast as the node
+    /// answers), and a share of the rest.
+    pub fn wants(&self, status: u16, sample: u128, anonymous: bool) -> bool {
+        match status {
+            500.. => true,
+            400..500 if !anonymous => true,
+            400..500 => {
+                let second = u32::try_from(self.epoch.elapsed().as_secs()).unwrap_or(u32::MAX);
+                self.anonymous_error_at(second)
+            }
+            _ => sampled(sample, self.success_per_10k),
+        }
+    }
+
+    /// Whether an anonymous client error in `second` (since the log started) is within
+    /// that second's budget; counts it when it is not.
+    fn anonymous_error_at(&self, second: u32) -> bool {
+        let budget = self.anonymous_per_s;
+        let taken = self.anonymous_window.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+            let (at, n) = ((w >> 32) as u32, w as u32);
+            if second > at {
+                (budget > 0).then_some((u64::from(second) << 32) | 1)
+            } else {
+                (n < budget).then_some(w + 1)
+            }
+        });
+        if taken.is_err() {
+            self.stats.anonymous_sampled_out.fetch_add(1, Ordering::Relaxed);
+        }
+        taken.is_ok()
     }
 
     /// Queues a record; a full queue drops it and counts the drop. Never blocks.
@@ -489,11 +543,36 @@ mod tests {
         let mut s = LogSettings::new(dir.path().join("access.log"));
         s.success_per_10k = LogSettings::rate(0.01).unwrap();
         let log = AccessLog::start(s, None).unwrap();
-        assert!(log.wants(500, 9_999) && log.wants(401, 5_000));
-        let sampled = (0..100_000u128).filter(|i| log.wants(200, i * 7_919)).count();
+        assert!(log.wants(500, 9_999, true) && log.wants(401, 5_000, false));
+        let sampled = (0..100_000u128).filter(|i| log.wants(200, i * 7_919, false)).count();
         assert!((900..=1100).contains(&sampled), "{sampled}");
         assert!(LogSettings::rate(1.5).is_err());
         log.shutdown();
+    }
+
+    #[test]
+    fn anonymous_client_errors_are_logged_up_to_a_budget_a_second() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = LogSettings::new(dir.path().join("access.log"));
+        s.anonymous_errors_per_s = 3;
+        let log = AccessLog::start(s, None).unwrap();
+        let logged = |second| (0..10).filter(|_| log.anonymous_error_at(second)).count();
+        assert_eq!(logged(0), 3, "the first three of a second");
+        assert_eq!(logged(0), 0, "none more in the same second");
+        assert_eq!(logged(1), 3, "the next second has its own budget");
+        assert_eq!(logged(0), 0, "a late caller in a past second takes from the current one");
+        assert_eq!(log.stats.anonymous_sampled_out.load(Ordering::Relaxed), 7 + 10 + 7 + 10);
+        // Server errors and an authenticated caller's errors are never sampled out.
+        assert!((0..1_000).all(|i| log.wants(503, i, true)));
+        assert!((0..1_000).all(|i| log.wants(429, i, false)));
+        assert_eq!(log.stats.anonymous_sampled_out.load(Ordering::Relaxed), 34);
+        // A budget of 0 logs no anonymous client error.
+        let mut s = LogSettings::new(dir.path().join("none.log"));
+        s.anonymous_errors_per_s = 0;
+        let none = AccessLog::start(s, None).unwrap();
+        assert!(!none.anonymous_error_at(0) && !none.anonymous_error_at(5));
+        log.shutdown();
+        none.shutdown();
     }
 
     #[test]

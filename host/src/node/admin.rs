@@ -58,6 +58,7 @@ pub async fn handle(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Respon
             let mut out = gw.metrics.render();
             crate::node::exposition::render_upstreams(&mut out, &gw.live.load().upstreams);
             crate::node::exposition::render_shed(&mut out, &gw.shed, &gw.admission, &gw.live.load().upstreams);
+            crate::node::exposition::render_compression(&mut out, &gw.compressing);
             crate::node::exposition::render_auth(&mut out, &gw.auth.stats);
             if let Some(s) = &gw.ratesync {
                 crate::node::exposition::render_ratesync(&mut out, s);

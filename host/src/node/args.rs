@@ -17,9 +17,15 @@ pub struct Args {
     /// Partner pool listener.
     #[arg(long, default_value = "127.0.0.1:8081")]
     pub partner: SocketAddr,
-    /// Admin listener (health, metrics, snapshot).
+    /// Admin listener: health, metrics, the running snapshot and, on a metering node,
+    /// its spooled usage windows, with no authentication. A loopback address unless
+    /// `--admin-beyond-loopback` says otherwise.
     #[arg(long, default_value = "127.0.0.1:9901")]
     pub admin: SocketAddr,
+    /// Let `--admin` be an address other hosts reach (a scraper on another host): the
+    /// admin listener has no authentication, so only on a network only operators reach.
+    #[arg(long)]
+    pub admin_beyond_loopback: bool,
     /// Connections each listener holds that the kernel has completed and the node has
     /// not yet accepted (capped by `net.core.somaxconn`). When this queue is full the
     /// kernel drops new handshakes and their clients wait a second or more to retry.
@@ -214,12 +220,20 @@ pub struct Args {
     /// admission budget; 0: none); past it, 503 node_overloaded.
     #[arg(long, default_value_t = 20_000)]
     pub max_in_flight: u32,
+    /// Answers the node compresses at once (routes with `compress:`; each encoder holds
+    /// up to about 1 MiB for as long as its stream lasts; 0: none); past it, an answer
+    /// goes out as the backend sent it, counted in
+    /// `postern_compression_skipped_total{reason="node_cap"}`.
+    #[arg(long, default_value_t = 256, value_name = "STREAMS")]
+    pub max_compressing_streams: u32,
     /// The percentage of `--max-in-flight` kept for the partner pool: the public pool
     /// may hold only the rest.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub partner_share: u32,
-    /// Write JSON access logs to this file: one line for every error (status 400 and
-    /// above) and for a share of successes (`--access-log-sample`), by a thread of their
+    /// Write JSON access logs to this file: one line for every server error, every client
+    /// error (4xx) of an authenticated caller, the first client errors of each second of
+    /// anonymous callers (`--access-log-anonymous-errors-per-s`), and a share of
+    /// successes (`--access-log-sample`), by a thread of their
     /// own behind a bounded queue (when it is full a line is dropped and counted; a
     /// request never waits). Lines name the caller by key id or client_id, never by a
     /// credential.
@@ -229,6 +243,13 @@ pub struct Args {
     /// sampled ones for traces).
     #[arg(long, default_value_t = 0.01, value_name = "FRACTION", value_parser = parse_fraction)]
     pub access_log_sample: f64,
+    /// Client errors (4xx) of callers who did not authenticate logged per second, the
+    /// first of each second (0: none); the rest are counted in
+    /// `postern_access_log_dropped_total{reason="anonymous_client_error"}`. Anyone can
+    /// send bad requests as fast as the node answers them: without this bound one client
+    /// rolls the access log away in minutes.
+    #[arg(long, default_value_t = 20, value_name = "LINES")]
+    pub access_log_anonymous_errors_per_s: u32,
     /// The access log is rotated once it would pass this size (`FILE.1` is the newest).
     #[arg(long, default_value = "100MiB", value_parser = parse_size)]
     pub access_log_max_size: u64,
@@ -268,7 +289,24 @@ enum ArgError {
     Range(String),
 }
 
+/// An admin listener other hosts could reach, not asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--admin {0}: the admin listener (metrics, /readyz, /snapshot, /usage/windows) has no authentication and binds a loopback address; add --admin-beyond-loopback to serve it on a network only operators reach"
+)]
+pub struct AdminBeyondLoopback(pub SocketAddr);
+
 impl Args {
+    /// Refuses an admin listener on an address other than loopback unless
+    /// `--admin-beyond-loopback` asks for it.
+    pub fn check_admin(&self) -> Result<(), AdminBeyondLoopback> {
+        if self.admin.ip().is_loopback() || self.admin_beyond_loopback {
+            Ok(())
+        } else {
+            Err(AdminBeyondLoopback(self.admin))
+        }
+    }
+
     /// Refuses a secret given on the command line, where every process of the host can
     /// read it: a Redis URL with a password (it belongs in POSTERN_RATELIMIT_REDIS), an
     /// exporter or control URL carrying a credential.
@@ -310,4 +348,25 @@ fn parse_size(s: &str) -> Result<u64, ArgError> {
         u => return Err(ArgError::Unit(u.to_owned())),
     };
     n.checked_mul(1 << shift).filter(|&b| b > 0).ok_or_else(|| ArgError::Range(s.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::Parser as _;
+
+    #[test]
+    fn the_admin_listener_stays_on_loopback_unless_asked() {
+        let args =
+            |extra: &[&str]| Args::try_parse_from([&["postern", "--snapshot", "s.json"], extra].concat()).unwrap();
+        assert_eq!(args(&[]).check_admin(), Ok(()));
+        assert_eq!(args(&["--admin", "[::1]:9901"]).check_admin(), Ok(()));
+        assert_eq!(args(&["--admin", "127.0.0.2:0"]).check_admin(), Ok(()));
+        for exposed in ["0.0.0.0:9901", "10.0.0.5:9901", "[::]:9901"] {
+            let addr: SocketAddr = exposed.parse().unwrap();
+            assert_eq!(args(&["--admin", exposed]).check_admin(), Err(AdminBeyondLoopback(addr)));
+            assert_eq!(args(&["--admin", exposed, "--admin-beyond-loopback"]).check_admin(), Ok(()));
+        }
+    }
 }

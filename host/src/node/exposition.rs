@@ -393,10 +393,35 @@ pub fn render_top_callers(out: &mut String, top: &[postern_usage::TopCaller]) {
     }
 }
 
+/// Answers being compressed, the node's cap on them, and those sent uncompressed for it.
+pub fn render_compression(out: &mut String, slots: &crate::request::compress::Slots) {
+    let rows: [(&str, &str, &str, u64); 3] = [
+        (
+            "postern_compressing_streams",
+            "gauge",
+            "Answers being compressed now (each holds an encoder's window).",
+            u64::from(slots.busy()),
+        ),
+        (
+            "postern_compressing_streams_max",
+            "gauge",
+            "The node's cap on answers compressed at once (--max-compressing-streams).",
+            u64::from(slots.cap()),
+        ),
+        (
+            "postern_compression_skipped_total{reason=\"node_cap\"}",
+            "counter",
+            "Answers that would have been compressed, sent as the backend sent them: the node's cap was reached.",
+            slots.refused.load(Ordering::Relaxed),
+        ),
+    ];
+    write_rows(out, &rows);
+}
+
 /// The access log's counters: lines written, dropped at a full queue, lost.
 pub fn render_access_log(out: &mut String, log: &postern_observe::AccessLog) {
     let s = &log.stats;
-    let rows: [(&str, &str, &str, u64); 7] = [
+    let rows: [(&str, &str, &str, u64); 8] = [
         (
             "postern_access_log_lines_total{outcome=\"written\"}",
             "counter",
@@ -419,6 +444,12 @@ pub fn render_access_log(out: &mut String, log: &postern_observe::AccessLog) {
         ),
         ("postern_access_log_stream_total{outcome=\"refused\"}", "", "", s.sink_failed.load(Ordering::Relaxed)),
         ("postern_access_log_stream_total{outcome=\"undelivered\"}", "", "", s.undelivered.load(Ordering::Relaxed)),
+        (
+            "postern_access_log_dropped_total{reason=\"anonymous_client_error\"}",
+            "counter",
+            "Requests the access log chose not to write, by reason: a client error of an anonymous caller past --access-log-anonymous-errors-per-s.",
+            s.anonymous_sampled_out.load(Ordering::Relaxed),
+        ),
     ];
     write_rows(out, &rows);
 }

@@ -24,6 +24,7 @@ struct AccessLogSettings {
     sample: f64,
     max_bytes: u64,
     keep: u32,
+    anonymous_errors_per_s: u32,
     /// The topic, the brokers, their librdkafka settings and the settings file.
     kafka: Option<(String, String, Vec<String>, Option<std::path::PathBuf>)>,
 }
@@ -48,6 +49,7 @@ impl ObserveSettings {
         let access_log = args.access_log.as_ref().map(|path| AccessLogSettings {
             path: path.clone(),
             sample: args.access_log_sample,
+            anonymous_errors_per_s: args.access_log_anonymous_errors_per_s,
             max_bytes: args.access_log_max_size,
             keep: args.access_log_keep,
             kafka: args.access_log_kafka_topic.clone().zip(args.usage_kafka.clone()).map(|(topic, brokers)| {
@@ -73,6 +75,7 @@ impl AccessLogSettings {
         settings.success_per_10k = LogSettings::rate(self.sample)?;
         settings.max_bytes = self.max_bytes;
         settings.keep = self.keep;
+        settings.anonymous_errors_per_s = self.anonymous_errors_per_s;
         let topic = self.kafka.as_ref().map(|k| k.0.clone());
         let sink: Option<Box<dyn LineSink>> = match self.kafka {
             Some((topic, brokers, options, file)) => {

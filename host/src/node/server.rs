@@ -58,6 +58,7 @@ async fn shutdown_signal() {
 /// Runs the node until SIGTERM or Ctrl-C, then drains.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     args.check_secrets()?;
+    args.check_admin()?;
     let metrics = Arc::new(Metrics::default());
     let files = files(&args);
     let snapshot_dir = args.snapshot.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -94,6 +95,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         tracer: observability.tracer,
         shed: crate::cluster::shedding::NodeShed::new(args.shed_cpu),
         admission: crate::cluster::shedding::Admission::new(args.max_in_flight, args.partner_share),
+        compressing: crate::request::compress::Slots::new(args.max_compressing_streams),
     });
     load_credentials(&gw, &files.credentials)?;
     let listeners = ListenSettings::from_args(&args).bind()?;

@@ -334,6 +334,8 @@ pub struct Compressing {
     inner: ResponseBody,
     encoder: Option<crate::request::compress::Encoder>,
     trailers: Option<http::HeaderMap>,
+    /// The node's place for this stream, given back with the body.
+    _slot: crate::request::compress::Slot,
 }
 
 impl ResponseBody {
@@ -344,10 +346,19 @@ impl ResponseBody {
         ResponseBody::Observed(Box::new(Observed { inner: self, log, trace, start, ended }))
     }
 
-    /// This body compressed with `coding` as it streams.
-    pub fn compressed(self, coding: crate::request::compress::Coding) -> Result<ResponseBody, std::io::Error> {
+    /// This body compressed with `coding` as it streams, in the node's place `slot`.
+    pub fn compressed(
+        self,
+        coding: crate::request::compress::Coding,
+        slot: crate::request::compress::Slot,
+    ) -> Result<ResponseBody, std::io::Error> {
         let encoder = crate::request::compress::Encoder::new(coding)?;
-        Ok(ResponseBody::Compressed(Box::new(Compressing { inner: self, encoder: Some(encoder), trailers: None })))
+        Ok(ResponseBody::Compressed(Box::new(Compressing {
+            inner: self,
+            encoder: Some(encoder),
+            trailers: None,
+            _slot: slot,
+        })))
     }
 }
 

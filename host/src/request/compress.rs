@@ -4,8 +4,15 @@
 //! flushed at once: nothing is buffered beyond the encoder's own window. Bodies the
 //! backend already encoded, media that is already compressed, small bodies, partial
 //! content and answers without a body are left alone.
+//!
+//! An encoder holds its window and tables for as long as its stream lasts (about 1 MiB
+//! for zstd at window log 19), so the node compresses at most
+//! `--max-compressing-streams` answers at once ([`Slots`]); past it an answer goes out
+//! as the backend sent it, and is counted.
 
 use std::io::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytes::Bytes;
 use http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, ETAG, VARY};
@@ -132,6 +139,55 @@ pub fn mark(coding: Coding, h: &mut HeaderMap) {
     }
 }
 
+/// The node's places for compressing streams: one is held by each answer being
+/// compressed, from its head to its body's end (or drop).
+#[derive(Debug)]
+pub struct Slots {
+    cap: u32,
+    busy: AtomicU32,
+    /// Answers that would have been compressed, sent as they were: every place was held.
+    pub refused: AtomicU64,
+}
+
+impl Slots {
+    /// `cap` places (0: no answer is compressed).
+    pub fn new(cap: u32) -> Arc<Slots> {
+        Arc::new(Slots { cap, busy: AtomicU32::new(0), refused: AtomicU64::new(0) })
+    }
+
+    /// A place, or `None` (counted) when all are held.
+    pub fn take(self: &Arc<Self>) -> Option<Slot> {
+        let cap = self.cap;
+        match self.busy.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| (n < cap).then_some(n + 1)) {
+            Ok(_) => Some(Slot(self.clone())),
+            Err(_) => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Places held now.
+    pub fn busy(&self) -> u32 {
+        self.busy.load(Ordering::Relaxed)
+    }
+
+    /// The cap.
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+}
+
+/// One held place; given back when dropped.
+#[derive(Debug)]
+pub struct Slot(Arc<Slots>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A streaming encoder: each chunk in, the compressed bytes so far out (flushed).
 pub enum Encoder {
     /// gzip.
@@ -249,6 +305,23 @@ mod tests {
         assert!(compressible(Some(&HeaderValue::from_static("application/problem+json"))));
         assert!(!compressible(Some(&HeaderValue::from_static("application/grpc"))));
         assert!(!compressible(None));
+    }
+
+    #[test]
+    fn the_node_compresses_at_most_its_cap_at_once() {
+        let slots = Slots::new(2);
+        let a = slots.take().unwrap();
+        let b = slots.take().unwrap();
+        assert!(slots.take().is_none() && slots.take().is_none(), "past the cap");
+        assert_eq!((slots.busy(), slots.refused.load(Ordering::Relaxed)), (2, 2));
+        drop(a);
+        let c = slots.take().unwrap();
+        assert_eq!(slots.busy(), 2);
+        drop((b, c));
+        assert_eq!(slots.busy(), 0, "every place given back");
+        let none = Slots::new(0);
+        assert!(none.take().is_none());
+        assert_eq!(none.refused.load(Ordering::Relaxed), 1);
     }
 
     #[test]

@@ -221,7 +221,8 @@ impl Exchange<'_> {
         made: Option<Option<&'static str>>,
         total: Duration,
     ) -> Response<ResponseBody> {
-        let log = gw.access_log.as_ref().filter(|l| l.wants(status, self.trace));
+        let anonymous = || self.cx.as_ref().and_then(Context::identity).and_then(Identity::caller).is_none();
+        let log = gw.access_log.as_ref().filter(|l| l.wants(status, self.trace, status < 400 || anonymous()));
         let tracer = gw.tracer.as_ref().filter(|t| t.wants(status, self.trace, self.debug()));
         if log.is_none() && tracer.is_none() {
             return resp;

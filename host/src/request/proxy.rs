@@ -209,6 +209,7 @@ async fn forward<'l>(
     let (resp, waited) = send(route, backend, at, ticket, up, left, fate.as_deref(), &mut ex.marks, ex.start).await;
     ex.waited = waited;
     let resp = resp?;
+    let compress = compress.map(|(min, want, head)| (min, want, head, &scene.gw.compressing));
     answer(route, cx, checked.call.as_ref(), resp, Stall::new(idle, until), held, compress, ex.start).await
 }
 
@@ -501,7 +502,7 @@ async fn answer(
     resp: Response<Incoming>,
     stall: Stall,
     mut held: Held,
-    compress: Option<(u64, crate::request::compress::Coding, bool)>,
+    compress: Option<(u64, crate::request::compress::Coding, bool, &Arc<crate::request::compress::Slots>)>,
     start: Instant,
 ) -> Result<Response<ResponseBody>, Ending> {
     let (mut rp, rb) = resp.into_parts();
@@ -530,12 +531,14 @@ async fn answer(
             }
         }
     }
-    let body = match compress
-        .and_then(|(min, want, head)| crate::request::compress::choose(min, head, Some(want), rp.status, &rp.headers))
-    {
+    // Past the node's cap on streams compressed at once, the answer goes as it is.
+    let body = match compress.and_then(|(min, want, head, slots)| {
+        let coding = crate::request::compress::choose(min, head, Some(want), rp.status, &rp.headers)?;
+        Some((coding, slots.take()?))
+    }) {
         None => body,
-        Some(coding) => {
-            let body = body.compressed(coding).map_err(|_| ProxyError::Internal("cannot start compressing"))?;
+        Some((coding, slot)) => {
+            let body = body.compressed(coding, slot).map_err(|_| ProxyError::Internal("cannot start compressing"))?;
             crate::request::compress::mark(coding, &mut rp.headers);
             body
         }

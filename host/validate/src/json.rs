@@ -47,6 +47,12 @@ pub enum Reason {
     /// A number no JSON reader can hold (an overflowing exponent).
     #[error("a number is out of range")]
     NumberRange,
+    /// A number of 2^53 or more in magnitude, past 64-bit integers, that is neither a
+    /// double's exact value nor its shortest decimal (`100000000000000000001`): it would
+    /// be judged as the double next to it, and a backend reading it exactly would see
+    /// another number than the one checked.
+    #[error("a number of 2^53 or more does not name a double")]
+    NumberInexact,
     /// An object has the same key twice.
     #[error("an object has a duplicate key")]
     DuplicateKey,
@@ -105,6 +111,39 @@ fn plain_run(s: &[u8], mut i: usize) -> usize {
         i += 1;
     }
     i
+}
+
+/// 2^53: from here on, not every integer is a double.
+const EXACT_INTEGERS: f64 = 9_007_199_254_740_992.0;
+
+/// The significant digits of a decimal (no leading or trailing zero) and the power of
+/// ten they are scaled by; `None` for an exponent past `i64`.
+fn significant(mantissa: &str, exponent: i64) -> Option<(String, i64)> {
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let mut digits: String = int.chars().chain(frac.chars()).skip_while(|&c| c == '0').collect();
+    let mut scale = exponent.checked_sub(i64::try_from(frac.len()).ok()?)?;
+    while digits.ends_with('0') {
+        digits.pop();
+        scale = scale.checked_add(1)?;
+    }
+    Some((digits, scale))
+}
+
+/// Whether the JSON number `tok` names the double `f` (|f| ≥ 2^53, an integer): it is
+/// either the double's exact value (`99999999999999991611392`) or its shortest decimal,
+/// in any spelling (`1e23`, `100000000000000000000000`: what JavaScript, Python and Rust
+/// print). Only for numbers that large; allocates.
+fn names_the_double(tok: &str, f: f64) -> bool {
+    let unsigned = tok.strip_prefix('-').unwrap_or(tok);
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(at) => (&unsigned[..at], unsigned[at + 1..].trim_start_matches('+').parse::<i64>().ok()),
+        None => (unsigned, Some(0)),
+    };
+    let Some(sent) = exponent.and_then(|e| significant(mantissa, e)) else { return false };
+    // With a precision, Rust prints a double's exact value; without, its shortest
+    // decimal that reads back as it. Neither uses an exponent.
+    let (exact, shortest) = (format!("{:.0}", f.abs()), format!("{}", f.abs()));
+    [exact, shortest].iter().any(|d| significant(d, 0).as_ref() == Some(&sent))
 }
 
 struct Reader<'a> {
@@ -300,6 +339,14 @@ impl Reader<'_> {
             }
         }
         let f = tok.parse::<f64>().map_err(|_| out_of_range.clone())?;
+        // From 2^53 on every double is an integer and they are spaced 2 or more apart:
+        // a number there is taken only when it names a double, so that `maximum`,
+        // `enum` and `const` (compared exactly by the schema validator) judge the number
+        // the client sent, not its neighbour. Below 2^53 a fraction reads as its nearest
+        // double, as in every JSON reader without decimals.
+        if f.is_finite() && f.abs() >= EXACT_INTEGERS && !names_the_double(tok, f) {
+            return Err(JsonError { reason: Reason::NumberInexact, offset: start });
+        }
         Number::from_f64(f).map(Value::Number).ok_or(out_of_range)
     }
 
@@ -493,6 +540,40 @@ mod tests {
         assert_eq!(reason("[1.5e+10]"), (Reason::NumberTooLong(6), 1));
         assert!(parse(b"[-1.5e9]", &limits()).is_ok());
         assert_eq!(parse(b"1e400", &JsonLimits::default()).unwrap_err().reason, Reason::NumberRange);
+    }
+
+    #[test]
+    fn a_number_past_2_pow_53_is_taken_only_when_exactly_a_double() {
+        let read = |t: &str| parse(t.as_bytes(), &JsonLimits::default()).map_err(|e| (e.reason, e.offset));
+        let inexact = |t: &str| read(&format!("[{t}]")) == Err((Reason::NumberInexact, 1));
+        // Rounded to the double 1e20, which a `maximum: 1e20` would let through.
+        assert!(inexact("100000000000000000001"));
+        assert!(inexact("-100000000000000000001"));
+        assert!(inexact("1.00000000000000000001e20"));
+        assert!(inexact("9007199254740993.0"), "2^53 + 1 as a fraction reads as 2^53");
+        assert!(inexact("100000000000000000000.5"));
+        assert!(inexact("1.00000000000000001e23"), "reads as 1.0000000000000001e23, and is not it");
+        assert_eq!(read("1.0000000000000001e23"), Ok(serde_json::json!(1.000_000_000_000_000_1e23_f64)));
+        // A double's exact value or its shortest decimal, in any spelling: taken, as that
+        // double.
+        for t in ["100000000000000000000", "1e20", "1E+20", "10.0e19", "0.1e21", "-1e20", "100000000000000000000.000"] {
+            assert_eq!(read(t), Ok(serde_json::json!(1e20_f64 * if t.starts_with('-') { -1.0 } else { 1.0 })), "{t}");
+        }
+        assert_eq!(read("99999999999999991611392"), Ok(serde_json::json!(1e23_f64)));
+        assert_eq!(read("1e23"), Ok(serde_json::json!(1e23_f64)));
+        assert_eq!(read("100000000000000000000000"), Ok(serde_json::json!(1e23_f64)));
+        // What JavaScript prints for 1.2345678901234568e20 (not its exact value).
+        assert_eq!(read("123456789012345680000"), Ok(serde_json::json!(1.234_567_890_123_456_8e20_f64)));
+        assert_eq!(read("-1.989e30"), Ok(serde_json::json!(-1.989e30_f64)));
+        assert_eq!(read("9007199254740992.0"), Ok(serde_json::json!(9_007_199_254_740_992.0_f64)));
+        // Integers within 64 bits are read exactly as integers; fractions below 2^53 as
+        // their nearest double.
+        assert_eq!(read("9007199254740993"), Ok(serde_json::json!(9_007_199_254_740_993_u64)));
+        assert_eq!(read("18446744073709551615"), Ok(serde_json::json!(u64::MAX)));
+        assert_eq!(read("0.1"), Ok(serde_json::json!(0.1)));
+        assert_eq!(read("1e308"), Ok(serde_json::json!(1e308)));
+        assert!(inexact("18446744073709551617"), "u64::MAX + 2");
+        assert!(inexact("-9223372036854775809"), "i64::MIN - 1 reads as -2^63");
     }
 
     #[test]
