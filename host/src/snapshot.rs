@@ -405,7 +405,12 @@ impl Builder {
         &self.node.auth
     }
 
-    fn wasm_filter(&self, route_id: &Arc<str>, config: &serde_json::Value) -> Result<Arc<dyn Filter>, String> {
+    fn wasm_filter(
+        &self,
+        route_id: &Arc<str>,
+        config: &serde_json::Value,
+        paths: postern_model::path::PathPolicy,
+    ) -> Result<Arc<dyn Filter>, String> {
         let runtime = self.wasm.as_ref().ok_or("this node runs no Wasm runtime")?;
         let attachment: postern_model::wasm::Attachment =
             serde_json::from_value(config.clone()).map_err(|e| format!("wasm filter attachment: {e}"))?;
@@ -433,7 +438,7 @@ impl Builder {
             .prepare(&module, &postern_model::wasm::config_bytes(&attachment.config), &attachment.limits)
             .map_err(|e| format!("filter {}: {e}", attachment.name))?;
         let stats = self.metrics.filter(route_id, &attachment.name);
-        Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats)))
+        Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats, paths)))
     }
 
     /// Reads, checks and builds a snapshot file's bytes.
@@ -602,7 +607,7 @@ impl Builder {
                         Some(name) => Arc::from(name),
                         None => Arc::from(f.kind.as_str()),
                     });
-                    filters.push(self.wasm_filter(id, &f.config)?);
+                    filters.push(self.wasm_filter(id, &f.config, snapshot.paths)?);
                 }
                 Step::Configured(f) => {
                     names.push(Arc::from(f.kind.as_str()));
