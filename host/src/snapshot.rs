@@ -525,7 +525,7 @@ impl Builder {
             None => None,
             Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
         };
-        let (auth, limit, filters, filter_names) = self.chain(&id, r, &snapshot.plans).map_err(err)?;
+        let (auth, limit, filters, filter_names) = self.chain(&id, r, &snapshot.plans, snapshot.paths).map_err(err)?;
         let rewrite = match &r.rewrite {
             None => None,
             Some(postern_model::PathRewrite::ReplacePrefix(p)) => Some(Rewrite::Prefix {
@@ -580,13 +580,15 @@ impl Builder {
     }
 
     /// A route's chain, built in the order `chain::chain` decides: its authentication,
-    /// its limits, its configured filters, and the names of all of them in that order.
+    /// its limits, its configured filters, and the names of all of them in that order
+    /// (a Wasm filter's path edits must be canonical under `paths`).
     #[allow(clippy::type_complexity)]
     fn chain(
         &self,
         id: &Arc<str>,
         r: &postern_model::Route,
         plans: &std::collections::BTreeMap<String, postern_model::Plan>,
+        paths: postern_model::path::PathPolicy,
     ) -> Result<(Option<Arc<dyn Filter>>, Option<Arc<dyn Filter>>, Vec<Arc<dyn Filter>>, Vec<Arc<str>>), String> {
         let steps = chain::chain(r, plans).map_err(|e| e.to_string())?;
         let (mut auth, mut limit) = (None, None);
@@ -607,7 +609,7 @@ impl Builder {
                         Some(name) => Arc::from(name),
                         None => Arc::from(f.kind.as_str()),
                     });
-                    filters.push(self.wasm_filter(id, &f.config, snapshot.paths)?);
+                    filters.push(self.wasm_filter(id, &f.config, paths)?);
                 }
                 Step::Configured(f) => {
                     names.push(Arc::from(f.kind.as_str()));

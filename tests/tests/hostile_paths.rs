@@ -29,7 +29,8 @@ const PATHS: [&str; 8] = [
     "/%61dmin",
 ];
 
-const DETAIL: &str = "filter header-spoofer failed: bad_output: its answer broke the rule path_canonical";
+const DETAIL: &str = "filter header-spoofer failed: bad_output: its answer broke the rule path_canonical: \
+     a path not in canonical form under the platform's path policy";
 
 /// The route's config making the filter answer `path` (a single-quoted YAML scalar: the
 /// paths hold no `'`).
@@ -52,7 +53,7 @@ async fn a_filters_non_canonical_path_edit_is_a_refused_answer() {
     // The canonical path the filter may answer, for contrast.
     routes.push_str(&route("fine", "/fine", "header-spoofer", &rewrite("/admin/x", "")));
     routes.push_str(&plain_route("plain", "/plain"));
-    let node = start_node(&repo, &routes);
+    let mut node = start_node(&repo, &routes);
 
     for (i, p) in PATHS.iter().enumerate() {
         let before = echo.count().await;

@@ -453,7 +453,11 @@ mod tests {
         let f = filter_under("header_spoofer", serde_json::json!({":path": "/a%2Fb"}), limits, PathPolicy::default());
         let (flow, uri) = run(&f);
         let Err(Reply::Problem(p)) = flow else { panic!("expected a problem, got {flow:?}") };
-        assert_eq!(p.detail, "filter header_spoofer failed: bad_output: its answer broke the rule path_canonical");
+        assert_eq!(
+            p.detail,
+            "filter header_spoofer failed: bad_output: its answer broke the rule path_canonical: \
+             a path not in canonical form under the platform's path policy"
+        );
         assert_eq!(uri, "http://api.example.com/v1/orders", "a refused answer changes nothing");
         assert_eq!(f.binding.stats.count(Outcome::BadOutput(Rule::PathCanonical)), 1);
         assert_eq!(f.binding.stats.refused(Rule::PathCanonical), 1);
