@@ -589,6 +589,14 @@ pub(crate) enum FilterCommand {
         /// A body: also runs the body phase.
         #[arg(long)]
         body: Option<String>,
+        /// The backend's response status: also runs the response phase (when the request
+        /// phases forward the request).
+        #[arg(long)]
+        response_status: Option<u16>,
+        /// A header of the backend's response, `name: value` (repeatable; runs the response
+        /// phase, status 200 unless `--response-status` says otherwise).
+        #[arg(long = "response-header")]
+        response_headers: Vec<String>,
     },
     /// What each Wasm filter on a route costs on a node: calls by outcome, fuel and
     /// duration percentiles, refused answers by rule, quarantines and reruns, read from

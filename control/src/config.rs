@@ -462,20 +462,41 @@ pub struct FilterSampleDoc {
     pub config: serde_json::Value,
     /// The request.
     pub request: SampleRequestDoc,
-    /// The decision.
+    /// The backend's response: the response phase runs on it when the request phases
+    /// forward the request.
+    #[serde(default)]
+    pub response: Option<SampleResponseDoc>,
+    /// The decision of the last phase that ran: the response phase's when it ran.
     pub expect: FilterExpectDoc,
 }
 
-/// The decision a filter sample expects.
+/// A backend's response head as a filter sample gives it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SampleResponseDoc {
+    /// Status (default 200).
+    #[serde(default = "ok_status")]
+    pub status: u16,
+    /// Headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+fn ok_status() -> u16 {
+    200
+}
+
+/// The decision a filter sample expects of the last phase that ran.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct FilterExpectDoc {
-    /// `continue` or `respond`.
+    /// `continue` (the response phase's edits are a `continue` too), `respond` or `failed`.
     pub decision: String,
     /// The answer's status, for `respond`.
     #[serde(default)]
     pub status: Option<u16>,
-    /// Headers set on the request, for `continue` (each must be set to this value).
+    /// Headers set on the request (on the response, when the response phase ran), for
+    /// `continue` (each must be set to this value).
     #[serde(default)]
     pub set_headers: BTreeMap<String, String>,
     /// The rewritten path, for `continue`.

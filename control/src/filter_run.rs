@@ -1,6 +1,7 @@
-//! `posternctl filter run`: runs a filter component on one request in the gateway's real
-//! sandbox (same runtime, limits and outcome classification as a node) and prints the
-//! decision and its cost, so an author can test a build before shipping it.
+//! `posternctl filter run`: runs a filter component on one request (and, when given, on
+//! the backend's response to it) in the gateway's real sandbox (same runtime, limits,
+//! outcome classification and output rules as a node) and prints each phase's decision
+//! and its cost, so an author can test a build before shipping it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,6 +23,29 @@ pub struct RunRequest {
     pub headers: Vec<(String, String)>,
     /// Body; when given, the body phase runs after the request phase.
     pub body: Option<Vec<u8>>,
+    /// The backend's response; when given, the response phase runs after the request
+    /// phases if they forwarded the request.
+    pub response: Option<RunResponse>,
+}
+
+/// The backend's response head the response phase runs on (the filter world's response
+/// head has no body).
+#[derive(Debug, Clone)]
+pub struct RunResponse {
+    /// Status.
+    pub status: u16,
+    /// `name: value` headers.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Lowercased names and the values of `headers`, for [`borrowed`].
+fn lowered(headers: &[(String, String)]) -> Vec<(String, &[u8])> {
+    headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes())).collect()
+}
+
+/// Header fields as the guest receives them, borrowed from [`lowered`].
+fn borrowed<'a>(headers: &'a [(String, &'a [u8])]) -> Vec<(&'a str, &'a [u8])> {
+    headers.iter().map(|(k, v)| (k.as_str(), *v)).collect()
 }
 
 fn fields(list: &[(String, Vec<u8>)]) -> serde_json::Value {
@@ -46,6 +70,36 @@ fn decision_json(d: &types::Decision) -> serde_json::Value {
     }
 }
 
+fn response_json(e: &types::ResponseEdits) -> serde_json::Value {
+    serde_json::json!({
+        "decision": "continue",
+        "set_headers": fields(&e.set_headers),
+        "append_headers": fields(&e.append_headers),
+        "remove_headers": e.remove_headers,
+    })
+}
+
+/// A call's report: its answer, or the rule it broke, or how it failed; and its cost.
+fn report<T>(
+    phase: &str,
+    call: &postern_wasm::runtime::Call<T>,
+    check: impl Fn(&T) -> Result<(), Rule>,
+    json: impl Fn(&T) -> serde_json::Value,
+) -> serde_json::Value {
+    let mut v = match &call.result {
+        Ok(d) => match check(d) {
+            Ok(()) => json(d),
+            Err(rule) => refused(rule, Some(json(d))),
+        },
+        Err(Outcome::BadOutput(rule)) => refused(*rule, None),
+        Err(o) => serde_json::json!({"decision": "failed", "outcome": o.as_str()}),
+    };
+    v["phase"] = phase.into();
+    v["fuel"] = call.fuel.into();
+    v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
+    v
+}
+
 /// The report of an answer the node would refuse: the rule it broke, with the answer.
 fn refused(rule: Rule, answer: Option<serde_json::Value>) -> serde_json::Value {
     let mut v = serde_json::json!({
@@ -60,9 +114,9 @@ fn refused(rule: Rule, answer: Option<serde_json::Value>) -> serde_json::Value {
     v
 }
 
-/// Runs `module` on `req` with `config` under `limits`; returns a JSON report per phase.
-/// Its answers are checked by the node's rules ([`postern_wasm::output`]), path edits
-/// under the default path policy.
+/// Runs `module` on `req` with `config` under `limits`; returns a JSON report per phase
+/// (`request`, `request_body`, `response`). Its answers are checked by the node's rules
+/// ([`postern_wasm::output`]), path edits under the default path policy.
 pub fn run(
     module: &Path,
     config: &serde_json::Value,
@@ -87,13 +141,15 @@ pub fn run_loaded(
     req: &RunRequest,
     paths: &PathPolicy,
 ) -> anyhow::Result<serde_json::Value> {
+    if let Some(resp) = &req.response {
+        anyhow::ensure!((100..=599).contains(&resp.status), "response status {} is not 100-599", resp.status);
+    }
     let (path, query) = match req.path.split_once('?') {
         Some((p, q)) => (p, Some(q)),
         None => (req.path.as_str(), None),
     };
-    let names: Vec<String> = req.headers.iter().map(|(k, _)| k.to_ascii_lowercase()).collect();
-    let headers: Vec<(&str, &[u8])> =
-        names.iter().zip(&req.headers).map(|(k, (_, v))| (k.as_str(), v.as_bytes())).collect();
+    let lowered_req = lowered(&req.headers);
+    let headers = borrowed(&lowered_req);
     let wit_req = types::Request { method: &req.method, path, query, authority: Some("localhost"), headers: &headers };
     let request_id = "0".repeat(32);
     let config = postern_model::wasm::config_bytes(config);
@@ -113,28 +169,21 @@ pub fn run_loaded(
     let tag: Arc<str> = Arc::from("local");
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // As the node does: the runtime checks sizes, the rest of the rules follow.
-    let report = |phase: &str, call: &postern_wasm::runtime::Call<types::Decision>| {
-        let mut v = match &call.result {
-            Ok(d) => match output::check_decision(d, &limits, Some(paths)) {
-                Ok(()) => decision_json(d),
-                Err(rule) => refused(rule, Some(decision_json(d))),
-            },
-            Err(Outcome::BadOutput(rule)) => refused(*rule, None),
-            Err(o) => serde_json::json!({"decision": "failed", "outcome": o.as_str()}),
-        };
-        v["phase"] = phase.into();
-        v["fuel"] = call.fuel.into();
-        v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
-        v
-    };
+    let check_request = |d: &types::Decision| output::check_decision(d, &limits, Some(paths));
+    let check_response = |e: &types::ResponseEdits| output::check_response(e, &limits);
     let binding = Binding { module: prepared.clone(), limits, config: config.clone(), stats, tag };
     let first = rt.block_on(runtime.on_request(&binding, wit_req.clone(), cx.clone()));
-    let first = report("request", &first);
-    let forwarded = first["decision"] == "continue";
-    let mut phases = vec![first];
-    if let (true, Some(body)) = (forwarded, &req.body) {
-        let call = rt.block_on(runtime.on_request_body(&binding, wit_req, body, cx));
-        phases.push(report("request_body", &call));
+    let mut phases = vec![report("request", &first, check_request, decision_json)];
+    let forwarded = |phases: &[serde_json::Value]| phases.last().is_some_and(|p| p["decision"] == "continue");
+    if let (true, Some(body)) = (forwarded(&phases), &req.body) {
+        let call = rt.block_on(runtime.on_request_body(&binding, wit_req, body, cx.clone()));
+        phases.push(report("request_body", &call, check_request, decision_json));
+    }
+    if let (true, Some(resp)) = (forwarded(&phases), &req.response) {
+        let lowered_resp = lowered(&resp.headers);
+        let head = types::ResponseHead { status: resp.status, headers: &borrowed(&lowered_resp) };
+        let call = rt.block_on(runtime.on_response(&binding, head, cx));
+        phases.push(report("response", &call, check_response, response_json));
     }
     let failed = phases.iter().any(|p| p["decision"] == "failed");
     let pre_initialised = !Arc::ptr_eq(&prepared, m);

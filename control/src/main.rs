@@ -91,24 +91,42 @@ fn filter_cost(route: &str, admin: &str, window: Option<std::time::Duration>, as
 }
 
 fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
-    let (module, config, limits, method, path, headers, body) = match command {
-        FilterCommand::Run { module, config, limits, method, path, headers, body } => {
-            (module, config, limits, method, path, headers, body)
-        }
+    let (module, config, limits, method, path, headers, body, response_status, response_headers) = match command {
+        FilterCommand::Run {
+            module,
+            config,
+            limits,
+            method,
+            path,
+            headers,
+            body,
+            response_status,
+            response_headers,
+        } => (module, config, limits, method, path, headers, body, response_status, response_headers),
         FilterCommand::Cost { route, admin, window, json } => return filter_cost(&route, &admin, window, json),
     };
     let config: serde_json::Value = serde_json::from_str(&config).map_err(|e| anyhow::anyhow!("--config: {e}"))?;
     let limits: postern_model::wasm::Limits =
         serde_json::from_str(&limits).map_err(|e| anyhow::anyhow!("--limits: {e}"))?;
-    let headers = headers
-        .iter()
-        .map(|h| {
-            h.split_once(':')
-                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
-                .ok_or_else(|| anyhow::anyhow!("--header {h:?}: use 'name: value'"))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let req = posternctl::filter_run::RunRequest { method, path, headers, body: body.map(String::into_bytes) };
+    let parse = |flag: &str, list: &[String]| {
+        list.iter()
+            .map(|h| {
+                h.split_once(':')
+                    .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                    .ok_or_else(|| anyhow::anyhow!("--{flag} {h:?}: use 'name: value'"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
+    let headers = parse("header", &headers)?;
+    let response = match (response_status, response_headers.is_empty()) {
+        (None, true) => None,
+        (status, _) => Some(posternctl::filter_run::RunResponse {
+            status: status.unwrap_or(200),
+            headers: parse("response-header", &response_headers)?,
+        }),
+    };
+    let req =
+        posternctl::filter_run::RunRequest { method, path, headers, body: body.map(String::into_bytes), response };
     let report = posternctl::filter_run::run(&module, &config, limits, &req)?;
     outln!("{}", serde_json::to_string_pretty(&report)?);
     Ok(report["ok"] == true)

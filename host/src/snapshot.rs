@@ -405,7 +405,12 @@ impl Builder {
         &self.node.auth
     }
 
-    fn wasm_filter(&self, route_id: &Arc<str>, config: &serde_json::Value) -> Result<Arc<dyn Filter>, String> {
+    fn wasm_filter(
+        &self,
+        route_id: &Arc<str>,
+        config: &serde_json::Value,
+        paths: postern_model::path::PathPolicy,
+    ) -> Result<Arc<dyn Filter>, String> {
         let runtime = self.wasm.as_ref().ok_or("this node runs no Wasm runtime")?;
         let attachment: postern_model::wasm::Attachment =
             serde_json::from_value(config.clone()).map_err(|e| format!("wasm filter attachment: {e}"))?;
@@ -433,7 +438,7 @@ impl Builder {
             .prepare(&module, &postern_model::wasm::config_bytes(&attachment.config), &attachment.limits)
             .map_err(|e| format!("filter {}: {e}", attachment.name))?;
         let stats = self.metrics.filter(route_id, &attachment.name);
-        Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats)))
+        Ok(Arc::new(postern_wasm::WasmFilter::new(runtime.clone(), module, attachment, route_id, stats, paths)))
     }
 
     /// Reads, checks and builds a snapshot file's bytes.
@@ -520,7 +525,7 @@ impl Builder {
             None => None,
             Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| err(format!("split header: {e}")))?),
         };
-        let (auth, limit, filters, filter_names) = self.chain(&id, r, &snapshot.plans).map_err(err)?;
+        let (auth, limit, filters, filter_names) = self.chain(&id, r, &snapshot.plans, snapshot.paths).map_err(err)?;
         let rewrite = match &r.rewrite {
             None => None,
             Some(postern_model::PathRewrite::ReplacePrefix(p)) => Some(Rewrite::Prefix {
@@ -575,13 +580,15 @@ impl Builder {
     }
 
     /// A route's chain, built in the order `chain::chain` decides: its authentication,
-    /// its limits, its configured filters, and the names of all of them in that order.
+    /// its limits, its configured filters, and the names of all of them in that order
+    /// (a Wasm filter's path edits must be canonical under `paths`).
     #[allow(clippy::type_complexity)]
     fn chain(
         &self,
         id: &Arc<str>,
         r: &postern_model::Route,
         plans: &std::collections::BTreeMap<String, postern_model::Plan>,
+        paths: postern_model::path::PathPolicy,
     ) -> Result<(Option<Arc<dyn Filter>>, Option<Arc<dyn Filter>>, Vec<Arc<dyn Filter>>, Vec<Arc<str>>), String> {
         let steps = chain::chain(r, plans).map_err(|e| e.to_string())?;
         let (mut auth, mut limit) = (None, None);
@@ -602,7 +609,7 @@ impl Builder {
                         Some(name) => Arc::from(name),
                         None => Arc::from(f.kind.as_str()),
                     });
-                    filters.push(self.wasm_filter(id, &f.config)?);
+                    filters.push(self.wasm_filter(id, &f.config, paths)?);
                 }
                 Step::Configured(f) => {
                     names.push(Arc::from(f.kind.as_str()));

@@ -128,6 +128,41 @@ fn a_filter_failing_its_own_sample_cases_is_refused_at_compile() {
 }
 
 #[test]
+fn a_filter_sample_runs_the_response_phase_on_its_response() {
+    let repo = Repo::new();
+    platform(&repo, &[("e", "127.0.0.1:9")]);
+    add_filter(&repo, "t", "header-spoofer", &filter_wasm("header-spoofer"), "{}");
+    repo.write("teams/t/routes.yaml", &format!("routes:\n{}", route("s", "/s", "header-spoofer", "")));
+    let manifest = |samples: &str| {
+        repo.write("teams/t/filters/header-spoofer.yaml", &format!("module: header-spoofer.wasm\nsamples:\n{samples}"));
+    };
+    let snap = repo.path().join("snapshot.json");
+    // What the node does with the response: a header the gateway allows is set, a forged
+    // framing header is refused.
+    manifest(
+        "  - name: tags the response\n    config: { 'response:x-team': payments }\n    request: { path: /s }\n    response: { status: 200, headers: { content-type: text/plain } }\n    expect: { decision: continue, setHeaders: { x-team: payments } }\n  - name: forged framing\n    config: { 'response:transfer-encoding': chunked }\n    request: { path: /s }\n    response: { status: 200 }\n    expect: { decision: failed }\n",
+    );
+    repo.compile_ok(&snap);
+    let before = std::fs::read(&snap).unwrap();
+
+    // A sample expecting the forged response edit to pass is refused, naming the rule.
+    manifest(
+        "  - name: forged framing passes\n    config: { 'response:transfer-encoding': chunked }\n    request: { path: /s }\n    response: { status: 200 }\n    expect: { decision: continue, setHeaders: { transfer-encoding: chunked } }\n",
+    );
+    let out = repo.compile(&snap);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "teams/t/filters/header-spoofer.yaml: samples[0]: \"forged framing passes\": expected continue, got failed \
+             (bad_output: the answer breaks the rule reserved_header) in the response phase (owner: t)"
+        ),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&snap).unwrap(), before, "a refused sample must not touch the published snapshot");
+}
+
+#[test]
 fn a_config_its_filter_refuses_is_refused_at_compile_with_the_filters_reason() {
     let repo = Repo::new();
     platform(&repo, &[("e", "127.0.0.1:9")]);

@@ -111,6 +111,50 @@ fn posternctl_filter_run_tests_a_build_in_the_real_sandbox_and_refuses_what_the_
         assert!(v["phases"][0]["error"].as_str().unwrap().contains("is a header the gateway owns"), "{name}: {v}");
     }
 
+    // A path edit is refused under the platform's path policy, as the node refuses it.
+    let out = run("header-spoofer", &["--config", r#"{":path": "/a/../admin"}"#, "--limits", limits]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["outcome"], "bad_output", "{v}");
+    assert_eq!(v["phases"][0]["rule"], "path_canonical", "{v}");
+    assert_eq!(v["phases"].as_array().unwrap().len(), 1, "{v}");
+
+    // With a response, the response phase runs after the request phase, judged by the
+    // node's rules: a forged response header is refused, naming its rule...
+    let cfg = r#"{"response:transfer-encoding": "chunked"}"#;
+    let out = run("header-spoofer", &["--config", cfg, "--limits", limits, "--response-status", "201"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][0]["phase"], "request", "{v}");
+    assert_eq!(v["phases"][0]["decision"], "continue", "{v}");
+    assert_eq!(v["phases"][1]["phase"], "response", "{v}");
+    assert_eq!(v["phases"][1]["outcome"], "bad_output", "{v}");
+    assert_eq!(v["phases"][1]["rule"], "reserved_header", "{v}");
+    assert_eq!(v["phases"][1]["answer"]["set_headers"][0], serde_json::json!(["transfer-encoding", "chunked"]));
+    assert_eq!(v["ok"], false);
+    // ...an allowed one is reported with the edits...
+    let cfg = r#"{"response:x-team": "payments"}"#;
+    let out =
+        run("header-spoofer", &["--config", cfg, "--limits", limits, "--response-header", "content-type: text/plain"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"][1]["phase"], "response", "{v}");
+    assert_eq!(v["phases"][1]["decision"], "continue", "{v}");
+    assert_eq!(v["phases"][1]["set_headers"][0], serde_json::json!(["x-team", "payments"]), "{v}");
+    assert_eq!(v["ok"], true);
+    // ...and a request the filter answers itself gets no response phase.
+    let cfg = r#"{"secret":"s"}"#;
+    let out = run(
+        "hmac-verifier",
+        &["--config", cfg, "--limits", limits, "--method", "POST", "--path", "/hook", "--response-status", "200"],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["phases"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["phases"][0]["decision"], "respond", "{v}");
+    let out = run("well-behaved", &["--limits", limits, "--response-status", "99"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("response status 99 is not 100-599"));
+
     let out = run("well-behaved", &["--limits", r#"{"fuel": 1000000000000}"#]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("over the platform maximum"));

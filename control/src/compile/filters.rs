@@ -121,6 +121,10 @@ fn run_samples(
             path: r.path.clone(),
             headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
             body: r.body.as_ref().map(|b| b.clone().into_bytes()),
+            response: case.response.as_ref().map(|resp| crate::filter_run::RunResponse {
+                status: resp.status,
+                headers: resp.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            }),
         };
         let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req, &cx.paths) {
             Ok(r) => r,
@@ -129,7 +133,8 @@ fn run_samples(
                 continue;
             }
         };
-        // The last phase that ran decides.
+        // The last phase that ran decides: the response phase's when the sample gives a
+        // response and the request was forwarded.
         let got = report["phases"].as_array().and_then(|p| p.last()).cloned().unwrap_or_default();
         if let Some(why) = sample_mismatch(&case.expect, &got) {
             cx.error(manifest_path, field, format!("{:?}: {why}", case.name), Some(team));
@@ -153,8 +158,9 @@ fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Va
         ("respond", Some(s)) => format!("respond {s}"),
         (d, _) => d.to_owned(),
     };
+    let phase = if got["phase"] == "response" { " in the response phase" } else { "" };
     if decision != expect.decision || (decision == "respond" && expect.status.is_some_and(|s| got["status"] != s)) {
-        return Some(format!("expected {wanted}, got {}", describe(got)));
+        return Some(format!("expected {wanted}, got {}{phase}", describe(got)));
     }
     for (name, value) in &expect.set_headers {
         let set = got["set_headers"].as_array().and_then(|h| {
@@ -162,7 +168,7 @@ fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Va
         });
         if set.as_ref().and_then(|v| v.as_str()) != Some(value.as_str()) {
             let got = set.map_or("not set".to_owned(), |v| format!("set to {v}"));
-            return Some(format!("expected header {name} set to {value:?}, it was {got}"));
+            return Some(format!("expected header {name} set to {value:?}, it was {got}{phase}"));
         }
     }
     if let Some(p) = &expect.path

@@ -17,6 +17,7 @@ use postern_filter_contract::{
 };
 use smallvec::SmallVec;
 
+use postern_model::path::PathPolicy;
 use postern_model::wasm::{Attachment, FailurePolicy, config_bytes};
 // The quarantine's windows are seconds long: the epoch thread's millisecond clock will do.
 use crate::clock::coarse_ms;
@@ -38,6 +39,8 @@ pub struct WasmFilter {
     binding: Binding,
     attachment: Attachment,
     quarantine: Quarantine,
+    /// The snapshot's path policy: a path edit must be canonical under it.
+    paths: PathPolicy,
 }
 
 impl std::fmt::Debug for WasmFilter {
@@ -47,18 +50,20 @@ impl std::fmt::Debug for WasmFilter {
 }
 
 impl WasmFilter {
-    /// Builds the filter of `attachment` on `route_id`.
+    /// Builds the filter of `attachment` on `route_id`, whose path edits must be canonical
+    /// under `paths` (the snapshot's policy).
     pub fn new(
         runtime: Arc<Runtime>,
         module: Arc<Module>,
         attachment: Attachment,
         route_id: &str,
         stats: Arc<FilterStats>,
+        paths: PathPolicy,
     ) -> WasmFilter {
         let config = config_bytes(&attachment.config);
         let tag: Arc<str> = Arc::from(format!("{}@{}", attachment.name, route_id));
         let binding = Binding { module, limits: attachment.limits, config, stats, tag };
-        WasmFilter { runtime, binding, attachment, quarantine: Quarantine::default() }
+        WasmFilter { runtime, binding, attachment, quarantine: Quarantine::default(), paths }
     }
 
     fn quarantined(&self) -> bool {
@@ -106,10 +111,11 @@ impl WasmFilter {
         }
     }
 
-    /// Logs a failed call: a refused answer at warn, naming the rule (the 1st, 2nd, 4th,
-    /// 8th... refusal on this route, so a filter refused on every request does not flood
-    /// the log; the metric counts each), any other failure at debug.
-    fn log_failure(&self, phase: &'static str, kind: Outcome) {
+    /// Logs a failed call of request `cx`: a refused answer at warn, naming the rule (the
+    /// 1st, 2nd, 4th, 8th... refusal on this route, so a filter refused on every request
+    /// does not flood the log; the metric counts each), any other failure at debug.
+    fn log_failure(&self, phase: &'static str, kind: Outcome, cx: &Context) {
+        let request_id = cx.request_id.to_str().unwrap_or_default();
         match kind {
             Outcome::BadOutput(rule) => {
                 let n = self.binding.stats.refused(rule);
@@ -117,6 +123,7 @@ impl WasmFilter {
                     tracing::warn!(
                         filter = &*self.binding.tag,
                         phase,
+                        request_id,
                         rule = rule.as_str(),
                         refusals = n,
                         "filter answer refused: {}",
@@ -124,7 +131,13 @@ impl WasmFilter {
                     );
                 }
             }
-            other => tracing::debug!(filter = &*self.binding.tag, phase, outcome = other.as_str(), "filter failed"),
+            other => tracing::debug!(
+                filter = &*self.binding.tag,
+                phase,
+                request_id,
+                outcome = other.as_str(),
+                "filter failed"
+            ),
         }
     }
 
@@ -168,7 +181,7 @@ impl WasmFilter {
             }
         };
         match call {
-            Ok(call) => flow(self.conclude(req, call)),
+            Ok(call) => flow(self.conclude(req, cx, call)),
             Err(start) => {
                 let call = {
                     let headers = fields(&req.headers);
@@ -182,7 +195,7 @@ impl WasmFilter {
                         }
                     }
                 };
-                Flow::Wait(Box::pin(async move { self.conclude(req, call.await) }))
+                Flow::Wait(Box::pin(async move { self.conclude(req, cx, call.await) }))
             }
         }
     }
@@ -203,10 +216,10 @@ impl WasmFilter {
 
     /// Applies a request-phase call's decision to `req`, records its outcome, and answers
     /// under the failure policy when it failed.
-    fn conclude(&self, req: &mut RequestHead, call: Call<types::Decision>) -> Result<(), Reply> {
+    fn conclude(&self, req: &mut RequestHead, cx: &Context, call: Call<types::Decision>) -> Result<(), Reply> {
         let outcome = match call.result {
             Err(o) => Err(o),
-            Ok(types::Decision::Continue(edits)) => apply_request_edits(req, edits).map(|()| None),
+            Ok(types::Decision::Continue(edits)) => apply_request_edits(req, edits, &self.paths).map(|()| None),
             Ok(types::Decision::Respond(reply)) => make_reply(reply).map(Some),
         };
         match outcome {
@@ -220,7 +233,7 @@ impl WasmFilter {
             }
             Err(kind) => {
                 self.failed(kind, call.fuel, call.took);
-                self.log_failure("request", kind);
+                self.log_failure("request", kind, cx);
                 self.fail(kind)
             }
         }
@@ -253,7 +266,7 @@ impl WasmFilter {
             // answers 503 instead of the backend's response unedited.
             Err(kind) => {
                 self.failed(kind, fuel, took);
-                self.log_failure("response", kind);
+                self.log_failure("response", kind, cx);
                 self.fail(kind)
             }
         }
@@ -335,14 +348,16 @@ fn apply_headers(h: &mut HeaderMap, edits: SmallVec<[Edit; 8]>) {
     }
 }
 
-/// Applies edits whose sizes were checked (by the runtime, on the thread that ran the call).
-fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits) -> Result<(), Outcome> {
+/// Applies edits whose sizes were checked (by the runtime, on the thread that ran the call);
+/// a new path must be canonical under `paths`, so a filter that answers another is refused
+/// like any other bad output (and the path the router matched is the one forwarded).
+fn apply_request_edits(req: &mut RequestHead, edits: types::RequestEdits, paths: &PathPolicy) -> Result<(), Outcome> {
     // Validate everything before changing anything.
     let header_edits = header_edits(&edits.set_headers, &edits.append_headers, &edits.remove_headers)?;
     let uri = match edits.path {
         None => None,
         Some(p) => {
-            let pq = output::path(&p).map_err(Outcome::BadOutput)?;
+            let pq = output::path(&p, paths).map_err(Outcome::BadOutput)?;
             let mut parts = req.uri.clone().into_parts();
             parts.path_and_query = Some(pq);
             Some(Uri::from_parts(parts).map_err(|_| Outcome::BadOutput(Rule::PathSyntax))?)
@@ -390,6 +405,10 @@ mod tests {
     use postern_model::wasm::{Limits, QuarantinePolicy};
 
     fn filter(name: &str, config: serde_json::Value, limits: Limits) -> WasmFilter {
+        filter_under(name, config, limits, PathPolicy::default())
+    }
+
+    fn filter_under(name: &str, config: serde_json::Value, limits: Limits, paths: PathPolicy) -> WasmFilter {
         let runtime = Runtime::new(&RuntimeConfig { max_instances: 8, ..Default::default() }).unwrap();
         let module = runtime.load(&module_bytes(name), None).unwrap();
         let attachment = Attachment {
@@ -401,7 +420,7 @@ mod tests {
             config,
             quarantine: QuarantinePolicy::default(),
         };
-        WasmFilter::new(runtime, module, attachment, "t/r", Arc::new(FilterStats::default()))
+        WasmFilter::new(runtime, module, attachment, "t/r", Arc::new(FilterStats::default()), paths)
     }
 
     fn head() -> RequestHead {
@@ -414,6 +433,42 @@ mod tests {
         let (mut req, cx) = (head(), Context::new(Arc::from("t/r"), HeaderValue::from_static("1")));
         assert!(matches!(f.on_request(&mut req, &cx), Flow::Continue));
         assert_eq!(req.headers.get("x-well-behaved").map(HeaderValue::as_bytes), Some(&b"yes"[..]));
+    }
+
+    #[test]
+    fn a_path_edit_the_snapshots_path_policy_refuses_is_a_refused_answer() {
+        let limits = Limits { deadline_ms: 50, ..Limits::default() };
+        let cx = Context::new(Arc::from("t/r"), HeaderValue::from_static("1"));
+        let run = |f: &WasmFilter| {
+            let mut req = head();
+            let flow = match f.on_request(&mut req, &cx) {
+                Flow::Continue => Ok(()),
+                Flow::Respond(r) => Err(r),
+                Flow::Wait(fut) => {
+                    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(fut)
+                }
+            };
+            (flow, req.uri.to_string())
+        };
+        let f = filter_under("header_spoofer", serde_json::json!({":path": "/a%2Fb"}), limits, PathPolicy::default());
+        let (flow, uri) = run(&f);
+        let Err(Reply::Problem(p)) = flow else { panic!("expected a problem, got {flow:?}") };
+        assert_eq!(
+            p.detail,
+            "filter header_spoofer failed: bad_output: its answer broke the rule path_canonical: \
+             a path not in canonical form under the platform's path policy"
+        );
+        assert_eq!(uri, "http://api.example.com/v1/orders", "a refused answer changes nothing");
+        assert_eq!(f.binding.stats.count(Outcome::BadOutput(Rule::PathCanonical)), 1);
+        assert_eq!(f.binding.stats.refused(Rule::PathCanonical), 1);
+        assert_eq!(f.binding.stats.count(Outcome::Ok), 0);
+        // The snapshot's policy decides: one that keeps `%2F` lets the same edit through.
+        let keep = PathPolicy { encoded_slash: postern_model::path::EncodedSlash::Keep, ..PathPolicy::default() };
+        let f = filter_under("header_spoofer", serde_json::json!({":path": "/a%2Fb"}), limits, keep);
+        let (flow, uri) = run(&f);
+        assert!(flow.is_ok(), "{flow:?}");
+        assert_eq!(uri, "http://api.example.com/a%2Fb");
+        assert_eq!(f.binding.stats.count(Outcome::Ok), 1);
     }
 
     #[test]

@@ -42,10 +42,10 @@ pub fn status(code: u16) -> Result<StatusCode, Rule> {
     StatusCode::from_u16(code).map_err(|_| Rule::Status)
 }
 
-/// A path (with its query) a filter may set, as syntax: canonical form is checked
-/// against the platform's policy once the chain has run.
-pub fn path(p: &str) -> Result<PathAndQuery, Rule> {
-    rules::path(p, None)?;
+/// A path (with its query) a filter may set: its syntax, and its canonical form under the
+/// platform's policy.
+pub fn path(p: &str, policy: &PathPolicy) -> Result<PathAndQuery, Rule> {
+    rules::path(p, Some(policy))?;
     PathAndQuery::from_maybe_shared(bytes::Bytes::copy_from_slice(p.as_bytes())).map_err(|_| Rule::PathSyntax)
 }
 
@@ -60,7 +60,7 @@ pub fn sizes(
 }
 
 /// Every rule for a request-phase (or body-phase) decision; the path's canonical form
-/// under `paths`, when given (the node checks it once every filter has run).
+/// under `paths`, when given.
 pub fn check_decision(d: &types::Decision, limits: &Limits, paths: Option<&PathPolicy>) -> Result<(), Rule> {
     let bounds = bounds(limits);
     match d {
