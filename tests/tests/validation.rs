@@ -182,25 +182,16 @@ async fn answers_are_compressed_as_they_stream() {
     postern_e2e::platform(&repo, &[("e", &echo.addr()), ("w", &written)]);
     repo.write(
         "teams/t/routes.yaml",
-        "routes:
-  - name: c
-    public: true
-    match: { path: { value: /c } }
-    backendRefs: [{ name: e }]
-    timeouts: { connect: 1s, response: 2s }
-    compress: { minBytes: 2048 }
-  - name: stream
-    public: true
-    match: { path: { value: /stream } }
-    backendRefs: [{ name: w }]
-    timeouts: { connect: 1s, response: 30s, bodyIdle: 30s, bodyTotal: 60s }
-    compress: { minBytes: 2048 }
-  - name: plain
+        &[
+            COMPRESSED_ROUTES,
+            "  - name: plain
     public: true
     match: { path: { value: /plain } }
     backendRefs: [{ name: e }]
     timeouts: { connect: 1s, response: 2s }
 ",
+        ]
+        .concat(),
     );
     let snap = repo.path().join("snapshot.json");
     repo.compile_ok(&snap);
@@ -276,19 +267,9 @@ async fn answers_are_compressed_as_they_stream() {
     }
 }
 
-/// The node compresses at most `--max-compressing-streams` answers at once (each holds an
-/// encoder's window for its stream's life): past it, an answer goes out whole and
-/// uncompressed, counted; a place is given back when its stream ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_node_compresses_at_most_its_cap_of_streams_at_once() {
-    use http_body_util::BodyExt;
-    let echo = Echo::start("e");
-    let (written, mut arrived) = written_backend().await;
-    let repo = Repo::new();
-    postern_e2e::platform(&repo, &[("e", &echo.addr()), ("w", &written)]);
-    repo.write(
-        "teams/t/routes.yaml",
-        "routes:
+/// Two compressed routes: `/c` on the echo backend `e`, `/stream` on the written
+/// backend `w`.
+const COMPRESSED_ROUTES: &str = "routes:
   - name: c
     public: true
     match: { path: { value: /c } }
@@ -301,8 +282,19 @@ async fn the_node_compresses_at_most_its_cap_of_streams_at_once() {
     backendRefs: [{ name: w }]
     timeouts: { connect: 1s, response: 30s, bodyIdle: 30s, bodyTotal: 60s }
     compress: { minBytes: 2048 }
-",
-    );
+";
+
+/// The node compresses at most `--max-compressing-streams` answers at once (each holds an
+/// encoder's window for its stream's life): past it, an answer goes out whole and
+/// uncompressed, counted; a place is given back when its stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_compresses_at_most_its_cap_of_streams_at_once() {
+    use http_body_util::BodyExt;
+    let echo = Echo::start("e");
+    let (written, mut arrived) = written_backend().await;
+    let repo = Repo::new();
+    postern_e2e::platform(&repo, &[("e", &echo.addr()), ("w", &written)]);
+    repo.write("teams/t/routes.yaml", COMPRESSED_ROUTES);
     let snap = repo.path().join("snapshot.json");
     repo.compile_ok(&snap);
     let node = Node::start(&snap, &["--max-compressing-streams", "2"]);
