@@ -776,7 +776,7 @@ async fn a_window_refused_for_good_is_parked_and_the_rest_ships_on() {
 /// node it names, and changes no total.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_node_keys_only_a_nodes_own_signature_speaks_for_it() {
-    use postern_model::sign::{Signer, Subject};
+    use postern_model::sign::Signer;
     let keys_dir = tempfile::tempdir().unwrap();
     let (own, other) = (Signer::generate().unwrap(), Signer::generate().unwrap());
     let key_file = keys_dir.path().join("node-s.key");
@@ -815,10 +815,7 @@ async fn with_node_keys_only_a_nodes_own_signature_speaks_for_it() {
     let body = |node: &str| {
         serde_json::json!({ "windows": [forged_window(node, 90, now - now % 10, "k1", 1000)] }).to_string()
     };
-    let sign = |s: &Signer, node: &str, bytes: &str| {
-        let hash = postern_model::content_hash(bytes.as_bytes());
-        s.sign(&Subject::Usage { node, hash: &hash })
-    };
+    let sign = |s: &Signer, node: &str, bytes: &str| postern_usage::sign_usage(s, node, bytes.as_bytes());
     let auth = format!("Bearer {NODE_TOKEN}");
     let url = format!("{}/v1/usage", cp.url);
     let forged = body("node-s");
