@@ -148,9 +148,11 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         }
         None => None,
     };
+    let intake = usage.clone().map(crate::usage::Coalescer::start);
     let server = Arc::new(Server {
         store,
         usage,
+        intake,
         repo: settings.repo,
         tokens,
         heads: watch::Sender::new(heads),

@@ -80,6 +80,8 @@ pub(super) struct Server {
     pub(super) publish_dir: Option<PathBuf>,
     /// See [`ServeSettings::usage_db`].
     pub(super) usage: Option<Arc<UsageStore>>,
+    /// The HTTP intake's group commit into [`Server::usage`].
+    pub(super) intake: Option<crate::usage::Coalescer>,
     /// Quotas, over-quota flags and quota events.
     pub(super) quota: QuotaService,
     /// The Kafka consumer's counters, when it runs.

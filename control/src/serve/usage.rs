@@ -84,7 +84,7 @@ impl Server {
                 };
             }
         }
-        match self.apply_usage(store, batch.windows).await {
+        match self.apply_intake(store, batch.windows).await {
             Ok(ack) => json(StatusCode::OK, &serde_json::to_value(ack).unwrap_or_default()),
             Err(e @ ApplyError::Conflict { .. }) => {
                 say!("{e}");
@@ -115,11 +115,21 @@ impl Server {
             return error(StatusCode::BAD_REQUEST, e.to_string());
         }
         let now = postern_model::disk::unix_now();
+        let (node, period) = (counters.node.clone(), counters.period.clone());
         match store.run(move |s| s.put_counters(&counters, now)).await {
-            Ok(Ok(())) => {
+            Ok(Ok(crate::usage::Counted::Stored)) => {
                 let mut r = Response::new(Full::new(Bytes::new()));
                 *r.status_mut() = StatusCode::NO_CONTENT;
                 r
+            }
+            Ok(Ok(crate::usage::Counted::Held)) => {
+                say!("usage: node {node}'s changed counters of final period {period} held for the platform");
+                json(
+                    StatusCode::ACCEPTED,
+                    &serde_json::json!({ "held": true, "why": format!(
+                        "{period} is final: a changed report waits for the platform's decision (posternctl usage held)"
+                    ) }),
+                )
             }
             Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
@@ -139,6 +149,16 @@ impl Server {
             .run(move |s| s.apply(&windows, now, &quotas))
             .await
             .map_err(|e| ApplyError::Unavailable(e.to_string()))??;
+        self.quota.wake.notify_one();
+        Ok(ack)
+    }
+
+    /// Applies one request's checked windows through the intake's group commit (with the
+    /// batches of other requests that arrive meanwhile), and wakes the flag publisher.
+    async fn apply_intake(&self, store: Arc<UsageStore>, windows: Vec<Window>) -> Result<UsageAck, ApplyError> {
+        let Some(intake) = &self.intake else { return self.apply_usage(store, windows).await };
+        let quotas = self.quotas().await.map_err(|e| ApplyError::Unavailable(format!("quotas: {e}")))?;
+        let ack = intake.apply(windows, postern_model::disk::unix_now(), quotas).await?;
         self.quota.wake.notify_one();
         Ok(ack)
     }
@@ -211,10 +231,14 @@ impl Server {
         };
         let (now, by, p) = (postern_model::disk::unix_now(), who.to_owned(), period.clone());
         match store.run(move |s| s.decide_held(&p, decision, &by, now, &quotas)).await {
-            Ok(Ok(parts)) => {
-                say!("usage: {parts} held window parts of {period}: {decision:?} by {who}");
+            Ok(Ok(d)) => {
+                say!(
+                    "usage: {} held window parts and {} counters reports of {period}: {decision:?} by {who}",
+                    d.parts,
+                    d.reports
+                );
                 self.quota.wake.notify_one();
-                json(StatusCode::OK, &serde_json::json!({ "period": period, "decided": parts }))
+                json(StatusCode::OK, &serde_json::json!({ "period": period, "decided": d.parts, "reports": d.reports }))
             }
             Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),

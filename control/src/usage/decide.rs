@@ -1,7 +1,8 @@
 //! The platform's decisions on the intake, each recorded with who took it and when: a
 //! node retired as of a sequence number (its later windows are refused, and a period no
-//! longer waits for it), and the windows held because their period was already final
-//! (applied, reopening the period for the next reconcile, or discarded).
+//! longer waits for it), and the windows and changed counters reports held because their
+//! period was already final (applied, reopening the period for the next reconcile, or
+//! discarded).
 
 use std::collections::BTreeMap;
 
@@ -12,6 +13,7 @@ use super::db::{DbError, Lock, Sql, int, vals};
 use super::intake::{ApplyError, add_rows};
 use super::params::rfc3339;
 use super::quota::Quotas;
+use super::reconcile::store_counters;
 use super::store::UsageStore;
 
 /// A node retired from the usage stream.
@@ -36,6 +38,8 @@ pub struct Held {
     pub state: String,
     /// Window parts (one per caller).
     pub parts: u64,
+    /// Nodes' changed reports of their own counts.
+    pub reports: u64,
     /// Calls in them.
     pub calls: u64,
     /// The nodes they came from.
@@ -121,19 +125,32 @@ impl UsageStore {
                  FROM held GROUP BY period, state, node ORDER BY period, state, node",
                 &[],
             )?;
+            let reports = sql.rows(
+                "SELECT period, state, node, 0, 0, decided_by, decided_at FROM held_counters ORDER BY period, state, node",
+                &[],
+            )?;
             let mut out: BTreeMap<(String, String), Held> = BTreeMap::new();
-            for r in rows {
+            let n = rows.len();
+            for (i, r) in rows.into_iter().chain(reports).enumerate() {
                 let (period, state) = (r.text(0)?, r.text(1)?);
                 let h = out.entry((period.clone(), state.clone())).or_insert_with(|| Held {
                     period,
                     state,
                     parts: 0,
+                    reports: 0,
                     calls: 0,
                     nodes: Vec::new(),
                     decided_by: None,
                     decided_at: None,
                 });
-                h.nodes.push(r.text(2)?);
+                let node = r.text(2)?;
+                if !h.nodes.contains(&node) {
+                    h.nodes.push(node);
+                    h.nodes.sort();
+                }
+                if i >= n {
+                    h.reports += 1;
+                }
                 h.parts = h.parts.saturating_add(r.count(3)?);
                 h.calls = h.calls.saturating_add(r.count(4)?);
                 if let Some(by) = r.opt_text(5)? {
@@ -147,9 +164,9 @@ impl UsageStore {
         })
     }
 
-    /// Decides every window of `period` still held: applied (added to the totals as they
-    /// would have been, and the period reopened for the next reconcile) or discarded.
-    /// Recorded with `by` and `now`; the number of parts decided.
+    /// Decides every window and counters report of `period` still held: applied (windows
+    /// added to the totals as they would have been, reports kept for the reconcile, and the
+    /// period reopened for the next reconcile) or discarded. Recorded with `by` and `now`.
     pub fn decide_held(
         &self,
         period: &str,
@@ -157,17 +174,22 @@ impl UsageStore {
         by: &str,
         now: u64,
         quotas: &Quotas,
-    ) -> Result<u64, ApplyError> {
+    ) -> Result<Decided, ApplyError> {
         self.tx(|sql| {
             sql.lock(Lock::Periods { exclusive: true })?;
             let raws = sql.rows(
                 "SELECT raw FROM held WHERE period = ?1 AND state = 'held' ORDER BY node, seq, part",
                 &vals![period],
             )?;
-            if raws.is_empty() {
-                return Ok(0);
+            let reports = sql.rows(
+                "SELECT node, period, through, calls, received, raw FROM held_counters
+                 WHERE period = ?1 AND state = 'held' ORDER BY node",
+                &vals![period],
+            )?;
+            let decided = Decided { parts: raws.len() as u64, reports: reports.len() as u64 };
+            if decided == Decided::default() {
+                return Ok(decided);
             }
-            let parts = raws.len() as u64;
             if decision == Decision::Apply {
                 let mut windows = Vec::with_capacity(raws.len());
                 for r in &raws {
@@ -176,18 +198,36 @@ impl UsageStore {
                     windows.push(w);
                 }
                 add_rows(sql, &windows, now, quotas)?;
+                for r in &reports {
+                    let args =
+                        vals![r.text(0)?, r.text(1)?, r.int(2)?, r.int(3)?, r.int(4)?, r.blob(5)?];
+                    store_counters(sql, &args)?;
+                }
                 sql.exec(
                     "UPDATE periods SET final_at = NULL, late = late + ?2 WHERE period = ?1",
-                    &vals![period, int(parts)?],
+                    &vals![period, int(decided.parts)?],
                 )?;
             }
-            sql.exec(
-                "UPDATE held SET state = ?2, decided_by = ?3, decided_at = ?4 WHERE period = ?1 AND state = 'held'",
-                &vals![period, decision.state(), by, int(now)?],
-            )?;
-            Ok(parts)
+            for table in ["held", "held_counters"] {
+                sql.exec(
+                    &format!(
+                        "UPDATE {table} SET state = ?2, decided_by = ?3, decided_at = ?4 WHERE period = ?1 AND state = 'held'"
+                    ),
+                    &vals![period, decision.state(), by, int(now)?],
+                )?;
+            }
+            Ok(decided)
         })
     }
+}
+
+/// What the platform decided at once of a period's held items.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Decided {
+    /// Window parts.
+    pub parts: u64,
+    /// Nodes' counters reports.
+    pub reports: u64,
 }
 
 /// Holds `fresh` parts whose period is final instead of adding them: the rest, to add.

@@ -60,16 +60,7 @@ impl UsageStore {
     /// batch that would take a total past `i64::MAX` is refused the same way (rule
     /// `total_overflow`), never clamped or wrapped.
     pub fn apply(&self, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
-        if let Some(pool) = self.pool() {
-            // Per-minute rows go to their month's partition, made before the batch's
-            // transaction (DDL would lock the parent table); months no longer kept get none.
-            let first = super::pg::Pool::first_kept(now);
-            let months: BTreeSet<u64> =
-                windows.iter().map(|w| month_period(w.start).1).filter(|&m| m >= first).collect();
-            for m in months {
-                pool.ensure_month(m, now)?;
-            }
-        }
+        self.ensure_months(windows.iter(), now)?;
         let result = self.tx(|sql| apply_in(sql, windows, now, quotas));
         let result = match result {
             Err(ApplyError::Sql(DbError::Overflow)) => Err(ApplyError::Refused(overflow(windows))),
@@ -80,6 +71,35 @@ impl UsageStore {
             self.tx(|sql| record_refusal(sql, e, now))?;
         }
         result
+    }
+
+    /// Several requests' batches applied in one transaction (the intake's group commit),
+    /// each answered as if applied alone, in order. When the group fails as a whole (a
+    /// refusal, a conflict, the database), each batch is applied on its own, so that a
+    /// refusal is only its own batch's and is recorded as [`UsageStore::apply`] does.
+    pub fn apply_group(&self, batches: &[Vec<Window>], now: u64, quotas: &Quotas) -> Vec<Result<UsageAck, ApplyError>> {
+        let one_by_one = || batches.iter().map(|b| self.apply(b, now, quotas)).collect();
+        if batches.len() <= 1 || self.ensure_months(batches.iter().flatten(), now).is_err() {
+            return one_by_one();
+        }
+        let all: Vec<&[Window]> = batches.iter().map(Vec::as_slice).collect();
+        match self.tx(|sql| apply_group_in(sql, &all, now, quotas)) {
+            Ok(acks) => acks.into_iter().map(Ok).collect(),
+            Err(_) => one_by_one(),
+        }
+    }
+
+    /// On PostgreSQL, makes the monthly partitions the per-minute rows of `windows` go to,
+    /// before the batch's transaction (DDL would lock the parent table); months no longer
+    /// kept get none.
+    fn ensure_months<'a>(&self, windows: impl Iterator<Item = &'a Window>, now: u64) -> Result<(), DbError> {
+        let Some(pool) = self.pool() else { return Ok(()) };
+        let first = super::pg::Pool::first_kept(now);
+        let months: BTreeSet<u64> = windows.map(|w| month_period(w.start).1).filter(|&m| m >= first).collect();
+        for m in months {
+            pool.ensure_month(m, now)?;
+        }
+        Ok(())
     }
 
     /// Records a window refused before it reached [`UsageStore::apply`] (its shape).
@@ -234,97 +254,129 @@ fn add_into<const N: usize>(into: &mut [u64; N], add: impl IntoIterator<Item = u
 }
 
 /// [`UsageStore::apply`] in one transaction: everything or nothing.
-///
-/// On PostgreSQL batches run side by side: each takes the periods lock shared and its
-/// nodes' locks (in order), and writes its rows in key order (quota use, totals, minutes)
-/// so two batches never wait on each other in a circle.
 fn apply_in(sql: &mut dyn Sql, windows: &[Window], now: u64, quotas: &Quotas) -> Result<UsageAck, ApplyError> {
+    let mut acks = apply_group_in(sql, &[windows], now, quotas)?;
+    Ok(acks.pop().unwrap_or_default())
+}
+
+/// Batches applied in one transaction as if one after another (everything or nothing),
+/// with an answer for each: the windows it added, its duplicates and what its nodes still
+/// lack.
+///
+/// On PostgreSQL transactions run side by side: each takes the periods lock shared and its
+/// nodes' locks (in order, all before any row), and writes its rows in key order (quota
+/// use, totals, minutes) so two transactions never wait on each other in a circle.
+fn apply_group_in(
+    sql: &mut dyn Sql,
+    batches: &[&[Window]],
+    now: u64,
+    quotas: &Quotas,
+) -> Result<Vec<UsageAck>, ApplyError> {
     sql.lock(Lock::Periods { exclusive: false })?;
-    let nodes: BTreeSet<&str> = windows.iter().map(|w| w.node.as_str()).collect();
+    let nodes: BTreeSet<&str> = batches.iter().flat_map(|b| b.iter().map(|w| w.node.as_str())).collect();
     for node in &nodes {
         sql.lock(Lock::Node(node))?;
     }
-    let mut ack = UsageAck::default();
+    let mut acks = vec![UsageAck::default(); batches.len()];
     let mut fresh: Vec<Window> = Vec::new();
-    for delivery in windows {
-        // Each part once: a delivery adds what is new in it, and is a duplicate if
-        // nothing is. Its parts (one per caller) are marked in a few multi-row inserts.
-        let parts = delivery.split();
-        let mut raws = Vec::with_capacity(parts.len());
-        for w in &parts {
-            raws.push(serde_json::to_vec(w).map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+    for (ack, batch) in acks.iter_mut().zip(batches) {
+        for delivery in batch.iter() {
+            let Some(new) = mark_parts(sql, delivery, now)? else {
+                ack.duplicates += 1;
+                sql.exec(
+                    "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
+                     ON CONFLICT (node) DO UPDATE SET windows = duplicates.windows + 1",
+                    &vals![&delivery.node],
+                )?;
+                continue;
+            };
+            // New: checked inside the transaction, so a refusal undoes its inserts. Its
+            // parts share the node, number and start.
+            could_have_counted(sql, delivery, now)?;
+            ack.applied += 1;
+            fresh.extend(new);
         }
-        let mut new: BTreeSet<u32> = BTreeSet::new();
-        let indexed: Vec<(&Window, &Vec<u8>)> = parts.iter().zip(&raws).collect();
-        for chunk in indexed.chunks(UPSERT_ROWS) {
-            let mut params = Vec::with_capacity(chunk.len() * 9);
-            for (w, raw) in chunk {
-                let calls = w.rows.iter().try_fold(0u64, |a, r| a.checked_add(r.calls())).ok_or(DbError::Overflow)?;
-                params.extend(vals![
-                    &w.node,
-                    int(w.seq)?,
-                    w.part,
-                    w.parts,
-                    int(w.start)?,
-                    w.recovered,
-                    int(calls)?,
-                    int(now)?,
-                    (*raw).clone()
-                ]);
-            }
-            let inserted = sql.rows(
-                &format!(
-                    "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
-                     VALUES {} ON CONFLICT DO NOTHING RETURNING part",
-                    placeholders(chunk.len(), 9)
-                ),
-                &params,
-            )?;
-            for r in inserted {
-                new.insert(u32::try_from(r.int(0)?).map_err(|_| DbError::Overflow)?);
-            }
-        }
-        if new.len() < parts.len() {
-            // The same (node, seq, part) with other contents is not a re-send: the node
-            // lost its spool and numbers again from 1. Nothing of the batch is applied;
-            // the operator gives the node a new id.
-            let known: BTreeMap<i64, Vec<u8>> = sql
-                .rows(
-                    "SELECT part, raw FROM applied WHERE node = ?1 AND seq = ?2",
-                    &vals![&delivery.node, int(delivery.seq)?],
-                )?
-                .iter()
-                .map(|r| Ok((r.int(0)?, r.blob(1)?)))
-                .collect::<Result<_, DbError>>()?;
-            for (w, raw) in &indexed {
-                if !new.contains(&w.part) && known.get(&i64::from(w.part)) != Some(*raw) {
-                    return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
-                }
-            }
-        }
-        if new.is_empty() {
-            ack.duplicates += 1;
-            sql.exec(
-                "INSERT INTO duplicates (node, windows) VALUES (?1, 1)
-                 ON CONFLICT (node) DO UPDATE SET windows = duplicates.windows + 1",
-                &vals![&delivery.node],
-            )?;
-            continue;
-        }
-        // New: checked inside the transaction, so a refusal undoes its inserts. Its
-        // parts share the node, number and start.
-        could_have_counted(sql, delivery, now)?;
-        ack.applied += 1;
-        fresh.extend(parts.into_iter().filter(|w| new.contains(&w.part)));
     }
     // A window of a period already final is held for the platform's decision, never
     // added on its own: the period's export may have gone out.
     let fresh = hold_final(sql, fresh, now)?;
     add_rows(sql, &fresh, now, quotas)?;
+    let mut missing: BTreeMap<&str, Vec<Missing>> = BTreeMap::new();
     for node in nodes {
-        ack.missing.extend(advance(sql, node)?);
+        missing.insert(node, advance(sql, node)?);
     }
-    Ok(ack)
+    for (ack, batch) in acks.iter_mut().zip(batches) {
+        let of_batch: BTreeSet<&str> = batch.iter().map(|w| w.node.as_str()).collect();
+        for node in of_batch {
+            ack.missing.extend(missing.get(node).into_iter().flatten().cloned());
+        }
+    }
+    Ok(acks)
+}
+
+/// Marks the parts of `delivery` applied (node, seq, part) and returns those new now, or
+/// `None` for a duplicate (every part applied before, with the same contents). The same
+/// part with other contents is a conflict.
+fn mark_parts(sql: &mut dyn Sql, delivery: &Window, now: u64) -> Result<Option<Vec<Window>>, ApplyError> {
+    // Each part once: a delivery adds what is new in it, and is a duplicate if
+    // nothing is. Its parts (one per caller) are marked in a few multi-row inserts.
+    let parts = delivery.split();
+    let mut raws = Vec::with_capacity(parts.len());
+    for w in &parts {
+        raws.push(serde_json::to_vec(w).map_err(|e| ApplyError::Unavailable(e.to_string()))?);
+    }
+    let mut new: BTreeSet<u32> = BTreeSet::new();
+    let indexed: Vec<(&Window, &Vec<u8>)> = parts.iter().zip(&raws).collect();
+    for chunk in indexed.chunks(UPSERT_ROWS) {
+        let mut params = Vec::with_capacity(chunk.len() * 9);
+        for (w, raw) in chunk {
+            let calls = w.rows.iter().try_fold(0u64, |a, r| a.checked_add(r.calls())).ok_or(DbError::Overflow)?;
+            params.extend(vals![
+                &w.node,
+                int(w.seq)?,
+                w.part,
+                w.parts,
+                int(w.start)?,
+                w.recovered,
+                int(calls)?,
+                int(now)?,
+                (*raw).clone()
+            ]);
+        }
+        let inserted = sql.rows(
+            &format!(
+                "INSERT INTO applied (node, seq, part, parts, start, recovered, calls, received, raw)
+                 VALUES {} ON CONFLICT DO NOTHING RETURNING part",
+                placeholders(chunk.len(), 9)
+            ),
+            &params,
+        )?;
+        for r in inserted {
+            new.insert(u32::try_from(r.int(0)?).map_err(|_| DbError::Overflow)?);
+        }
+    }
+    if new.len() < parts.len() {
+        // The same (node, seq, part) with other contents is not a re-send: the node
+        // lost its spool and numbers again from 1. Nothing of the batch is applied;
+        // the operator gives the node a new id.
+        let known: BTreeMap<i64, Vec<u8>> = sql
+            .rows(
+                "SELECT part, raw FROM applied WHERE node = ?1 AND seq = ?2",
+                &vals![&delivery.node, int(delivery.seq)?],
+            )?
+            .iter()
+            .map(|r| Ok((r.int(0)?, r.blob(1)?)))
+            .collect::<Result<_, DbError>>()?;
+        for (w, raw) in &indexed {
+            if !new.contains(&w.part) && known.get(&i64::from(w.part)) != Some(*raw) {
+                return Err(ApplyError::Conflict { node: w.node.clone(), seq: w.seq });
+            }
+        }
+    }
+    if new.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(parts.into_iter().filter(|w| new.contains(&w.part)).collect()))
 }
 
 /// Adds the rows of `fresh` parts (each new) to the quota use, totals and minutes.

@@ -36,7 +36,8 @@
 //! db.rs         the seam: SQL with `?N` placeholders on SQLite or PostgreSQL
 //! pg.rs         PostgreSQL: its schema, its pool, the monthly partitions of minutes
 //! intake.rs     nodes' windows applied once, and the numbers still missing
-//! decide.rs     the platform's decisions: a node retired, windows held for a final period
+//! coalesce.rs   the HTTP intake's group commit: batches arriving together, one transaction
+//! decide.rs     the platform's decisions: a node retired, windows and reports held for a final period
 //! queries.rs    what the usage API reads: rows by minute, day or route; totals; nodes
 //! reconcile.rs  a period compared with the nodes' own counts, corrected and made final
 //! quota.rs      who is on which quota, its use, its events and over-quota flags
@@ -44,6 +45,7 @@
 //! render.rs     `posternctl usage`: the answer as a table or a chart
 //! ```
 
+mod coalesce;
 mod db;
 mod decide;
 mod intake;
@@ -57,8 +59,9 @@ mod store;
 #[cfg(test)]
 mod tests;
 
+pub use self::coalesce::Coalescer;
 pub use self::db::DbError;
-pub use self::decide::{Decision, Held, Retired};
+pub use self::decide::{Decided, Decision, Held, Retired};
 pub use self::intake::{ApplyError, CLOCK_ALLOWANCE_S, MAX_SEQ_GAP, Refusal};
 pub use self::params::{parse_time, percent_unescape, query_escape, query_unescape, rfc3339};
 pub use self::pg::MINUTE_MONTHS;
@@ -66,6 +69,6 @@ pub use self::queries::{
     By, LatencySummary, MAX_ROWS, MAX_TEAM_RANGE_S, NodeWindows, Query, StatusClasses, Total, UsageRow,
 };
 pub use self::quota::{QuotaEvent, Quotas};
-pub use self::reconcile::{CLOSE_GRACE_S, PeriodNode, Reconciled};
+pub use self::reconcile::{CLOSE_GRACE_S, Counted, PeriodNode, Reconciled};
 pub use self::render::{CHART_WIDTH, chart, parse_last, table};
 pub use self::store::{UsageStore, WorkerError};

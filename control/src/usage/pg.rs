@@ -226,7 +226,11 @@ impl Pool {
                 node TEXT NOT NULL, seq BIGINT NOT NULL, part BIGINT NOT NULL, period TEXT NOT NULL,
                 calls BIGINT NOT NULL, received BIGINT NOT NULL, raw BYTEA NOT NULL, state TEXT NOT NULL,
                 decided_by TEXT, decided_at BIGINT, PRIMARY KEY (node, seq, part));
-             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);"
+             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);
+             CREATE TABLE IF NOT EXISTS held_counters (
+                node TEXT NOT NULL, period TEXT NOT NULL, through BIGINT NOT NULL, calls BIGINT NOT NULL,
+                received BIGINT NOT NULL, raw BYTEA NOT NULL, state TEXT NOT NULL, decided_by TEXT,
+                decided_at BIGINT, PRIMARY KEY (node, period));"
         );
         // Two control planes starting at once may race on CREATE ... IF NOT EXISTS: the
         // loser sees a unique violation in the catalog and tries again.

@@ -16,27 +16,40 @@ use super::store::UsageStore;
 
 impl UsageStore {
     /// Stores a node's own counters of a period complete on it (checked): the report with
-    /// the highest `through` is kept, and a changed one reopens a final period until the
-    /// next reconcile. `now` is Unix seconds.
-    pub fn put_counters(&self, c: &NodeCounters, now: u64) -> Result<(), DbError> {
+    /// the highest `through` is kept. A changed report of a period already final is held
+    /// for the platform's decision ([`UsageStore::decide_held`]), never stored on its own:
+    /// the period's export may have gone out. `now` is Unix seconds.
+    pub fn put_counters(&self, c: &NodeCounters, now: u64) -> Result<Counted, DbError> {
         let raw = serde_json::to_vec(c).map_err(|e| DbError::Other(e.to_string()))?;
         let calls = c.calls();
         self.tx(|sql| {
             sql.lock(Lock::Periods { exclusive: true })?;
-            let changed = sql.exec(
-                "INSERT INTO node_counters (node, period, through, calls, received, raw) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-                 ON CONFLICT (node, period) DO UPDATE SET through = excluded.through, calls = excluded.calls,
-                   received = excluded.received, raw = excluded.raw
-                 WHERE excluded.through >= node_counters.through AND excluded.raw <> node_counters.raw",
-                &vals![&c.node, &c.period, int(c.through)?, int(calls)?, int(now)?, raw.clone()],
-            )? == 1;
-            if changed {
-                sql.exec(
-                    "UPDATE periods SET final_at = NULL WHERE period = ?1 AND final_at IS NOT NULL",
-                    &vals![&c.period],
-                )?;
+            let args = vals![&c.node, &c.period, int(c.through)?, int(calls)?, int(now)?, raw.clone()];
+            if !matches!(final_at(sql, &c.period)?, Some(Some(_))) {
+                store_counters(sql, &args)?;
+                return Ok(Counted::Stored);
             }
-            Ok(())
+            let known = sql.row(
+                "SELECT through, raw FROM node_counters WHERE node = ?1 AND period = ?2",
+                &vals![&c.node, &c.period],
+            )?;
+            let changes = match known {
+                Some(r) => c.through >= r.count(0)? && r.blob(1)? != raw,
+                None => true,
+            };
+            if !changes {
+                return Ok(Counted::Stored);
+            }
+            sql.exec(
+                "INSERT INTO held_counters (node, period, through, calls, received, raw, state)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'held')
+                 ON CONFLICT (node, period) DO UPDATE SET through = excluded.through, calls = excluded.calls,
+                   received = excluded.received, raw = excluded.raw, state = 'held', decided_by = NULL,
+                   decided_at = NULL
+                 WHERE excluded.through >= held_counters.through AND excluded.raw <> held_counters.raw",
+                &args,
+            )?;
+            Ok(Counted::Held)
         })
     }
 
@@ -74,6 +87,27 @@ impl UsageStore {
             None => Ok(Err(format!("period {period} was never reconciled"))),
         })
     }
+}
+
+/// What became of a node's counters report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Stored for the period's next reconcile (or the same as, or older than, the one kept).
+    Stored,
+    /// A change to a period already final: held for the platform's decision.
+    Held,
+}
+
+/// Keeps a node's report (`node, period, through, calls, received, raw`) unless the one
+/// kept covers more or is the same; whether it was stored.
+pub(crate) fn store_counters(sql: &mut dyn Sql, args: &[super::db::Val]) -> Result<bool, DbError> {
+    Ok(sql.exec(
+        "INSERT INTO node_counters (node, period, through, calls, received, raw) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT (node, period) DO UPDATE SET through = excluded.through, calls = excluded.calls,
+           received = excluded.received, raw = excluded.raw
+         WHERE excluded.through >= node_counters.through AND excluded.raw <> node_counters.raw",
+        args,
+    )? == 1)
 }
 
 /// When `period` was made final: `None` if never reconciled, `Some(None)` if reopened.

@@ -193,7 +193,11 @@ impl UsageStore {
                 node TEXT NOT NULL, seq INTEGER NOT NULL, part INTEGER NOT NULL, period TEXT NOT NULL,
                 calls INTEGER NOT NULL, received INTEGER NOT NULL, raw BLOB NOT NULL, state TEXT NOT NULL,
                 decided_by TEXT, decided_at INTEGER, PRIMARY KEY (node, seq, part)) WITHOUT ROWID;
-             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);"
+             CREATE INDEX IF NOT EXISTS held_by_period ON held (period, state);
+             CREATE TABLE IF NOT EXISTS held_counters (
+                node TEXT NOT NULL, period TEXT NOT NULL, through INTEGER NOT NULL, calls INTEGER NOT NULL,
+                received INTEGER NOT NULL, raw BLOB NOT NULL, state TEXT NOT NULL, decided_by TEXT,
+                decided_at INTEGER, PRIMARY KEY (node, period)) WITHOUT ROWID;"
         ))?;
         // `overshoot` came with quotas: a store made before them gains the column.
         let has_overshoot = conn.prepare("SELECT overshoot FROM totals LIMIT 0").is_ok();

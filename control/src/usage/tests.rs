@@ -83,6 +83,8 @@ on_both_engines!(
     a_late_window_of_a_period_already_over_flags_nothing,
     a_total_past_i64_max_is_refused_never_clamped,
     a_team_reads_at_most_31_days,
+    batches_applied_as_a_group_are_answered_each_as_if_alone,
+    the_group_commit_answers_every_request_and_adds_each_window_once,
 );
 
 fn row(caller: &str, route: &str, status: [u64; 5], ms: u64) -> Row {
@@ -285,6 +287,7 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_p
         period: "2026-11".into(),
         state: state.into(),
         parts: 1,
+        reports: 0,
         calls: 2,
         nodes: vec!["c".into()],
         decided_by: by.map(str::to_owned),
@@ -292,9 +295,13 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_p
     };
     assert_eq!(store.held().unwrap(), vec![held("held", None)]);
     // The platform applies it: added as it would have been, the period reopened.
-    assert_eq!(store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap(), 1);
+    assert_eq!(store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap().parts, 1);
     assert_eq!(store.held().unwrap(), vec![held("applied", Some("ops"))]);
-    assert_eq!(store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap(), 0, "decided once");
+    assert_eq!(
+        store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap(),
+        Decided::default(),
+        "decided once"
+    );
     assert!(!store.is_final("2026-11").unwrap());
     assert_eq!(store.totals("2026-11", Some("k3")).unwrap()[0].billable, 2);
     assert!(
@@ -322,10 +329,24 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_p
     assert_eq!((r.is_final, node_c.corrected, r.billable, k3(&store)), (true, 0, 9, 5), "{r:?}");
     // Held and applied: node c's first window (November was final then) and this one.
     assert_eq!(r.late_windows, 2);
-    // A changed report reopens the period; an older one is ignored.
-    store.put_counters(&own("c", 2, &[("k3", [0, 6, 0, 0, 0])], &[(2, 2)]), DEC).unwrap();
+    // A changed report of a final period is held, never stored on its own; an older or
+    // the same one changes nothing.
+    let mut k3_changed = own("c", 2, &[("k3", [0, 7, 0, 0, 0])], &[(2, 2)]);
+    assert_eq!(store.put_counters(&k3_changed, DEC).unwrap(), Counted::Held);
+    assert_eq!(store.put_counters(&own("c", 1, &[("k3", [0, 9, 0, 0, 0])], &[]), DEC).unwrap(), Counted::Stored);
+    assert!(store.is_final("2026-11").unwrap());
+    assert_eq!(store.counters("c", "2026-11").unwrap().map(|c| c.calls()), Some(5), "the report kept is unchanged");
+    assert_eq!(store.reconcile("2026-11", after).unwrap().unwrap().billable, 9);
+    let held_now = store.held().unwrap();
+    let waiting = held_now.iter().find(|h| h.state == "held").unwrap();
+    assert_eq!((waiting.parts, waiting.reports, &waiting.nodes), (0, 1, &vec!["c".to_owned()]));
+    // A newer change replaces the one held; the platform applies it: the period reopens
+    // and the next reconcile bills the node's count.
+    k3_changed.rows[0].status[1] = 6;
+    store.put_counters(&k3_changed, DEC).unwrap();
+    let d = store.decide_held("2026-11", Decision::Apply, "ops", DEC, &none).unwrap();
+    assert_eq!(d, Decided { parts: 0, reports: 1 });
     assert!(!store.is_final("2026-11").unwrap());
-    store.put_counters(&own("c", 1, &[("k3", [0, 9, 0, 0, 0])], &[]), DEC).unwrap();
     assert_eq!(store.counters("c", "2026-11").unwrap().map(|c| c.through), Some(2));
     let r = store.reconcile("2026-11", after).unwrap().unwrap();
     assert_eq!((r.is_final, r.billable, k3(&store)), (true, 10, 6), "{r:?}");
@@ -340,7 +361,7 @@ fn a_period_is_final_once_ended_and_complete_and_a_late_window_is_held_for_the_p
     // Windows numbered past what the counts cover: the node numbers again (held, as the
     // period is final, and discarded by the platform).
     store.apply(&[window("d", 2, DEC - 10, vec![row("k4", "search/query", [0, 1, 0, 0, 0], 1)])], DEC, &none).unwrap();
-    assert_eq!(store.decide_held("2026-11", Decision::Discard, "ops", DEC, &none).unwrap(), 1);
+    assert_eq!(store.decide_held("2026-11", Decision::Discard, "ops", DEC, &none).unwrap().parts, 1);
     let r = store.reconcile("2026-11", after).unwrap().unwrap();
     assert!(!r.is_final && r.blocking.iter().any(|b| b.contains("numbered past 1")), "{r:?}");
     assert_eq!(r.billable, 13, "a discarded window adds nothing");
@@ -519,6 +540,77 @@ fn a_node_may_report_only_what_it_could_have_counted(db: &TestDb) {
     assert_eq!(store.apply(&[ok(1, DEC)], DEC + 1_000_000, &q).unwrap().duplicates, 1);
 }
 
+fn batches_applied_as_a_group_are_answered_each_as_if_alone(db: &TestDb) {
+    use postern_model::protocol::Missing;
+    let store = db.open();
+    let q = Quotas::default();
+    let w = |node: &str, seq, start, ok| window(node, seq, start, vec![row("k1", "search/query", [0, ok, 0, 0, 0], 4)]);
+    let ack = |applied, duplicates, missing: Vec<Missing>| UsageAck { applied, duplicates, missing };
+    let billed = |store: &UsageStore| store.totals("2026-12", Some("k1")).unwrap()[0].billable;
+    // Three requests in one transaction: node a's window, node b's windows 1 and 3 (2 is
+    // lacking), and a re-send of a's window, a duplicate, as it would be after the first.
+    let answers = store.apply_group(
+        &[vec![w("a", 1, DEC, 5)], vec![w("b", 1, DEC, 3), w("b", 3, DEC + 20, 2)], vec![w("a", 1, DEC, 5)]],
+        DEC + 30,
+        &q,
+    );
+    let answers: Vec<UsageAck> = answers.into_iter().map(Result::unwrap).collect();
+    assert_eq!(
+        answers,
+        vec![ack(1, 0, vec![]), ack(2, 0, vec![Missing { node: "b".into(), from: 2, to: 2 }]), ack(0, 1, vec![])]
+    );
+    assert_eq!(billed(&store), 10);
+    // A refused batch in a group is refused alone: the batches beside it are applied, and
+    // the refusal is recorded for its node.
+    let far = w("c", 1, 253_402_300_800, 1_000_000);
+    let answers =
+        store.apply_group(&[vec![w("a", 2, DEC + 10, 4)], vec![far], vec![w("b", 2, DEC + 10, 1)]], DEC + 30, &q);
+    assert_eq!(answers[0].as_ref().unwrap(), &ack(1, 0, vec![]));
+    assert!(matches!(&answers[1], Err(ApplyError::Refused(e)) if e.rule() == "future_window"), "{:?}", answers[1]);
+    assert_eq!(answers[2].as_ref().unwrap(), &ack(1, 0, vec![]));
+    assert_eq!(billed(&store), 15);
+    let refusals: Vec<(String, String, u64)> =
+        store.refusals().unwrap().into_iter().map(|r| (r.node, r.rule, r.count)).collect();
+    assert_eq!(refusals, vec![("c".to_owned(), "future_window".to_owned(), 1)]);
+    assert!(store.nodes().unwrap().iter().all(|n| n.node != "c"), "nothing of node c is applied");
+}
+
+fn the_group_commit_answers_every_request_and_adds_each_window_once(db: &TestDb) {
+    use std::sync::Arc;
+    let store = Arc::new(db.open());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let intake = Coalescer::start(store.clone());
+        // 40 nodes at once, each sending its windows one request at a time, each twice.
+        let nodes: Vec<_> = (0..40u64)
+            .map(|n| {
+                let intake = intake.clone();
+                tokio::spawn(async move {
+                    let mut acks = Vec::new();
+                    for seq in 1..=3 {
+                        let rows = vec![row("k1", "search/query", [0, n + 1, 0, 0, 0], 4)];
+                        let w = window(&format!("node-{n}"), seq, DEC + seq * 10, rows);
+                        for _ in 0..2 {
+                            let ack = intake.apply(vec![w.clone()], DEC + 60, Arc::new(Quotas::default())).await;
+                            acks.push(ack.unwrap());
+                        }
+                    }
+                    acks
+                })
+            })
+            .collect();
+        let once = UsageAck { applied: 1, duplicates: 0, missing: Vec::new() };
+        let again = UsageAck { applied: 0, duplicates: 1, missing: Vec::new() };
+        for node in nodes {
+            let acks = node.await.unwrap();
+            assert_eq!(acks, [once.clone(), again.clone(), once.clone(), again.clone(), once.clone(), again.clone()]);
+        }
+    });
+    // Each node's calls, three windows each: 3 × (1 + 2 + … + 40).
+    assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 3 * 820);
+    assert_eq!(store.nodes().unwrap().len(), 40);
+}
+
 fn a_late_window_of_a_period_already_over_flags_nothing(db: &TestDb) {
     let store = db.open();
     let q = quotas(QuotaMode::Hard, 100, 60);
@@ -629,7 +721,10 @@ fn usage_intake_of_a_fleet() {
     let per_node: u64 = std::env::var("POSTERN_BENCH_WINDOWS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
     // Windows a transaction: 1 as the HTTP intake gets them from one node; more as the
     // Kafka consumer takes what the stream holds of several nodes.
-    let batch: usize = std::env::var("POSTERN_BENCH_BATCH").ok().and_then(|v| v.parse().ok()).unwrap_or(1).max(1);
+    // `group`: the HTTP intake's group commit, one window a request from each of the nodes.
+    let batch_var = std::env::var("POSTERN_BENCH_BATCH").unwrap_or_default();
+    let grouped = batch_var == "group";
+    let batch: usize = batch_var.parse().unwrap_or(1).max(1);
     let now = DEC + 86_400 * 20;
     let window_of = |node: u64, seq: u64| {
         let rows = (0..CALLERS * ROUTES)
@@ -681,23 +776,46 @@ fn usage_intake_of_a_fleet() {
             })
         };
         let start = Instant::now();
-        let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                let (store, jobs, next) = (store.clone(), jobs.clone(), next.clone());
-                std::thread::spawn(move || {
-                    loop {
-                        let i = next.fetch_add(batch, Ordering::Relaxed);
-                        let Some(ws) = jobs.get(i..(i + batch).min(jobs.len())) else { break };
-                        if ws.is_empty() {
-                            break;
+        if grouped {
+            // The HTTP intake: each node ships its next window once the last is answered,
+            // through the group commit, on a runtime of the control plane's size.
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+            rt.block_on(async {
+                let intake = super::Coalescer::start(store.clone());
+                let quotas = Arc::new(Quotas::default());
+                let nodes: Vec<_> = (0..NODES as usize)
+                    .map(|n| {
+                        let (intake, jobs, quotas) = (intake.clone(), jobs.clone(), quotas.clone());
+                        tokio::spawn(async move {
+                            for w in jobs.iter().skip(n).step_by(NODES as usize) {
+                                intake.apply(vec![w.clone()], now, quotas.clone()).await.unwrap();
+                            }
+                        })
+                    })
+                    .collect();
+                for n in nodes {
+                    n.await.unwrap();
+                }
+            });
+        } else {
+            let handles: Vec<_> = (0..workers)
+                .map(|_| {
+                    let (store, jobs, next) = (store.clone(), jobs.clone(), next.clone());
+                    std::thread::spawn(move || {
+                        loop {
+                            let i = next.fetch_add(batch, Ordering::Relaxed);
+                            let Some(ws) = jobs.get(i..(i + batch).min(jobs.len())) else { break };
+                            if ws.is_empty() {
+                                break;
+                            }
+                            store.apply(ws, now, &Quotas::default()).unwrap();
                         }
-                        store.apply(ws, now, &Quotas::default()).unwrap();
-                    }
+                    })
                 })
-            })
-            .collect();
-        for h in handles {
-            h.join().unwrap();
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
         }
         let took = start.elapsed();
         done.store(true, Ordering::Relaxed);
@@ -707,9 +825,10 @@ fn usage_intake_of_a_fleet() {
         let t = store.totals("2026-12", Some("key_000007")).unwrap();
         assert!(!t.is_empty());
         println!(
-            "{engine}: {} windows, {batch} a transaction, {rows} rows in {:.1} s by {workers} workers: {:.0} rows/s; \
+            "{engine}: {} windows, {} a transaction, {rows} rows in {:.1} s by {workers} workers: {:.0} rows/s; \
              one key's month by route while intake runs: {} reads, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
             jobs.len(),
+            if grouped { "grouped".to_owned() } else { batch.to_string() },
             took.as_secs_f64(),
             rows as f64 / took.as_secs_f64(),
             lat.len(),
