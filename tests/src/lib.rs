@@ -931,29 +931,14 @@ pub mod usage {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64
     }
 
-    /// Waits for a moment 3 to 8 s into a 10 s usage window at which the spool's
-    /// checkpoint (`open.json`) holds that open window: a `kill -9` then strikes mid-window
-    /// and past a checkpoint of it.
-    pub async fn wait_mid_window_checkpoint(spool: &Path) {
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            assert!(Instant::now() < end, "no checkpoint of an open window in {}", spool.display());
-            let now = unix_ms();
-            let into = now % 10_000;
-            if !(3_000..8_000).contains(&into) {
-                tokio::time::sleep(Duration::from_millis((13_000 - into) % 10_000)).await;
-                continue;
-            }
-            let open = now / 10_000 * 10;
-            let holds_open = std::fs::read(spool.join("open.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-                .and_then(|cp| cp["windows"].as_array().map(|w| w.iter().any(|w| w["start"].as_u64() == Some(open))))
-                .unwrap_or(false);
-            if holds_open {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+    /// Waits for a moment 3 to 8 s into a 10 s usage window, the node's counts file
+    /// (`open.counts`) in its spool: a `kill -9` then strikes mid-window, with the open
+    /// window's calls counted only there.
+    pub async fn wait_mid_window(spool: &Path) {
+        assert!(spool.join("open.counts").exists(), "no counts file in {}", spool.display());
+        let into = unix_ms() % 10_000;
+        if !(3_000..8_000).contains(&into) {
+            tokio::time::sleep(Duration::from_millis((13_000 - into) % 10_000)).await;
         }
     }
 

@@ -304,7 +304,7 @@ fn write_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
 pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
     let s = &u.stats;
     let spool = u.spool_gauges();
-    let rows: [(&str, &str, &str, u64); 12] = [
+    let rows: [(&str, &str, &str, u64); 13] = [
         (
             "postern_usage_windows_parked_total",
             "counter",
@@ -338,8 +338,14 @@ pub fn render_usage(out: &mut String, u: &postern_usage::Usage) {
         (
             "postern_usage_windows_recovered_total",
             "counter",
-            "Usage windows rebuilt from a checkpoint after a crash.",
+            "Usage windows rebuilt from the counts file after a crash.",
             s.recovered.load(Ordering::Relaxed),
+        ),
+        (
+            "postern_usage_rows_not_durable_total",
+            "counter",
+            "Usage rows counted in memory only (no free slot in the counts file): a kill -9 would lose their window's calls.",
+            u.meter.not_durable(),
         ),
         (
             "postern_usage_spool_errors_total",

@@ -49,5 +49,31 @@ fn count(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, count);
+/// The same, with the open windows kept in the counts file (as a node with a spool runs):
+/// a few more stores into the mapping per call, and a slot taken per new row.
+fn count_durable(c: &mut Criterion) {
+    let Ok(dir) = tempfile::tempdir() else { return };
+    let meter = Meter::new();
+    let Ok(slots) = postern_usage::durable::Durable::in_dir(dir.path()).create(1) else { return };
+    meter.keep_in(slots);
+    let caller = Bytes::from_static(b"key_01HZX3Q9W8R7");
+    let route: Arc<str> = Arc::from("search/query");
+    let product: Arc<str> = Arc::from("search");
+    let at = Instant::now();
+    c.bench_function("count (counts file): a caller already in the window", |b| {
+        b.iter(|| {
+            meter.count(&Call {
+                kind: CallerKind::Key,
+                caller: &caller,
+                route: &route,
+                product: &product,
+                status: 200,
+                at,
+                latency: Duration::from_micros(850),
+            })
+        })
+    });
+}
+
+criterion_group!(benches, count, count_durable);
 criterion_main!(benches);

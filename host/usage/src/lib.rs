@@ -4,11 +4,11 @@
 //! only once it acknowledged them.
 //!
 //! Threads: the request workers only count (one uncontended lock, no I/O, no
-//! allocation for a caller already in the window). `usage-closer` closes windows a
-//! quarter second after their end, appends them to the spool, and once a second
-//! checkpoints the open window to `open.json`, so `kill -9` loses at most about a second
-//! of this node's calls. `usage-shipper` sends spooled windows in order through a
-//! [`Sink`]. Neither ever runs on a request worker.
+//! allocation for a caller already in the window), in memory and in the counts file
+//! ([`durable`]: a memory-mapped file beside the spool, so `kill -9` loses no counted
+//! call). `usage-closer` closes windows a quarter second after their end and appends
+//! them to the spool. `usage-shipper` sends spooled windows in order through a [`Sink`].
+//! Neither ever runs on a request worker.
 //!
 //! Beside the spool the node keeps its own [`counters`] of each billing period, counted
 //! from every window as it is spooled, and reports a period once it is complete, for the
@@ -16,6 +16,7 @@
 #![deny(missing_docs)]
 
 pub mod counters;
+pub mod durable;
 pub mod kafka;
 pub mod meter;
 pub mod spool;
@@ -137,8 +138,6 @@ pub enum SetupError {
 /// How long after a window's end it is closed: calls answered at its very end are
 /// counted in it unless their thread ran this much later.
 const GRACE: Duration = Duration::from_millis(250);
-/// How often the open window is checkpointed.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// The longest wait between two tries of a failing send.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Windows sent in one batch at most.
@@ -188,7 +187,7 @@ pub struct Stats {
     pub parked: AtomicU64,
     /// Closed windows waiting in memory for the spool.
     pub pending: AtomicU64,
-    /// Windows rebuilt from a checkpoint after a crash.
+    /// Windows rebuilt after a crash from the counts file (or an older run's checkpoint).
     pub recovered: AtomicU64,
     /// Period counters the control plane took.
     pub reports: AtomicU64,
@@ -202,7 +201,8 @@ pub struct Stats {
     pub ship_error: Mutex<Option<String>>,
 }
 
-/// The open windows as checkpointed: rebuilt into records after a crash.
+/// The open windows as an older run checkpointed them (`open.json`): rebuilt into records
+/// after its crash. Runs now keep them in the counts file instead ([`durable`]).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Checkpoint {
@@ -295,8 +295,8 @@ pub fn busiest(rows: &[postern_model::usage::Row]) -> Vec<TopCaller> {
 }
 
 impl Usage {
-    /// Opens the spool (cutting torn tails), turns the last checkpoint of a crashed run
-    /// into records, and starts the closer and, with a sink, the shipper.
+    /// Opens the spool (cutting torn tails), turns what a crashed run left in the counts
+    /// file (or an older run's checkpoint) into records, and starts the closer and, with a sink, the shipper.
     pub fn start(settings: Settings, sink: Option<Box<dyn Sink>>) -> Result<Arc<Usage>, SpoolError> {
         let (spool, opened) = Spool::open(&settings.dir, &settings.node, settings.limits)?;
         let mut counters = Counters::load(&settings.dir, &settings.node)
@@ -337,6 +337,7 @@ impl Usage {
         });
         usage.count_spooled()?;
         usage.recover()?;
+        usage.recover_counts()?;
         let u = usage.clone();
         *usage.closer.lock().unwrap_or_else(|p| p.into_inner()) = Some(spawn("usage-closer", move || u.close_loop())?);
         if let Some(sink) = sink {
@@ -429,20 +430,63 @@ impl Usage {
             }
             w.recovered = true;
             w.node.clone_from(&self.node);
-            spool.append(|seq| {
-                w.seq = seq;
-                serde_json::to_vec(&w).unwrap_or_default()
-            })?;
-            let mut counters = self.lock_counters();
-            counters.count(&w);
-            self.save_counters(&mut counters);
-            drop(counters);
-            self.stats.recovered.fetch_add(1, Ordering::Relaxed);
-            self.stats.spooled.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(seq = w.seq, start = w.start, "usage window recovered from the last checkpoint");
+            self.spool_recovered(&mut spool, w, "the last checkpoint")?;
         }
         drop(spool);
         std::fs::remove_file(&path).map_err(|e| SpoolError::Io { path, source: e })
+    }
+
+    /// Appends the windows a crashed run left in the counts file that the spool did not
+    /// take before the crash, then starts the file afresh and counts in it from now on.
+    fn recover_counts(&self) -> Result<(), SpoolError> {
+        let durable = durable::Durable::in_dir(self.lock_spool().dir());
+        let io = |source| SpoolError::Io { path: durable.path().to_owned(), source };
+        let found = match durable.read() {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                let aside = durable.path().with_extension("counts.bad");
+                tracing::error!(path = %durable.path().display(), error = %e, "usage counts file unreadable, kept as open.counts.bad");
+                std::fs::rename(durable.path(), &aside).map_err(io)?;
+                durable::Found::default()
+            }
+            Err(e) => return Err(io(e)),
+        };
+        if found.skipped > 0 {
+            tracing::error!(slots = found.skipped, "usage counts file: slots out of shape skipped");
+        }
+        let mut spool = self.lock_spool();
+        // A window is in the spool already when a record written since that run began
+        // starts at or after it (windows are spooled in order).
+        let closed_through = spool.last_start_since(found.next);
+        for (window, rows) in &found.windows {
+            let start = window.saturating_mul(WINDOW_S);
+            if closed_through.is_some_and(|s| s >= start) {
+                continue;
+            }
+            let w = Window::new(self.node.clone(), 0, start, true, meter::to_rows(rows));
+            self.spool_recovered(&mut spool, w, "the counts file")?;
+        }
+        let slots = durable.create(spool.next_seq()).map_err(io)?;
+        drop(spool);
+        self.meter.keep_in(slots);
+        Ok(())
+    }
+
+    /// Appends a window recovered from `source` after a crash, numbered now, and counts it.
+    fn spool_recovered(&self, spool: &mut Spool, mut w: Window, source: &str) -> Result<(), SpoolError> {
+        spool.append(|seq| {
+            w.seq = seq;
+            serde_json::to_vec(&w).unwrap_or_default()
+        })?;
+        let mut counters = self.lock_counters();
+        counters.count(&w);
+        self.save_counters(&mut counters);
+        drop(counters);
+        self.stats.recovered.fetch_add(1, Ordering::Relaxed);
+        self.stats.spooled.fetch_add(1, Ordering::Relaxed);
+        let calls: u64 = w.rows.iter().map(|r| r.calls()).sum();
+        tracing::warn!(seq = w.seq, start = w.start, calls, "usage window recovered from {source}");
+        Ok(())
     }
 
     /// Closes windows before `window` into the pending queue.
@@ -480,6 +524,7 @@ impl Usage {
             });
             match appended {
                 Ok(_) => {
+                    self.meter.spooled(w.start / WINDOW_S);
                     counters.count(w);
                     pending.pop_front();
                     wrote = true;
@@ -512,45 +557,12 @@ impl Usage {
         }
     }
 
-    /// Writes the pending and open windows to `open.json` (whole, then renamed).
-    fn checkpoint(&self, last_total: &mut u64) {
-        let open = self.meter.open_rows();
-        let pending = self.pending.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let total: u64 = open.values().flat_map(|r| r.values()).map(meter::Counts::calls).sum::<u64>()
-            + pending.iter().flat_map(|w| &w.rows).map(|r| r.calls()).sum::<u64>();
-        // Unchanged since the last checkpoint (counts only grow within a window; a
-        // window closing moves its calls out, which changes the total).
-        if total == *last_total {
-            return;
-        }
-        let path = self.checkpoint_path();
-        if total == 0 {
-            let _ = std::fs::remove_file(&path);
-            *last_total = 0;
-            return;
-        }
-        let mut windows: Vec<Window> = pending.into_iter().collect();
-        windows.extend(
-            open.iter().map(|(w, rows)| Window::new(self.node.clone(), 0, w * WINDOW_S, false, meter::to_rows(rows))),
-        );
-        let cp = Checkpoint { next: self.lock_spool().next_seq(), windows };
-        match serde_json::to_vec(&cp)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| postern_model::disk::write_atomic(&path, &bytes).map_err(|e| e.to_string()))
-        {
-            Ok(()) => *last_total = total,
-            Err(e) => tracing::warn!(error = %e, "usage checkpoint not written"),
-        }
-    }
-
     fn close_loop(&self) {
-        let mut last_checkpoint = Instant::now();
-        let mut last_total = u64::MAX;
         loop {
             let stopping = self.wait(&self.stop, Duration::from_millis(100));
             let now = Instant::now();
             let cutoff = if stopping {
-                // Every window, the open one too: nothing is left to checkpoint.
+                // Every window, the open one too.
                 self.meter.window_of(now) + 1
             } else {
                 self.meter.window_of(now.checked_sub(GRACE).unwrap_or(now))
@@ -567,17 +579,9 @@ impl Usage {
                 self.save_counters(&mut counters);
             }
             if stopping {
-                if self.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
-                    let _ = std::fs::remove_file(self.checkpoint_path());
-                } else {
-                    let mut force = u64::MAX;
-                    self.checkpoint(&mut force);
-                }
+                // Windows the spool could not take keep their slots in the counts file:
+                // the next start recovers them.
                 return;
-            }
-            if last_checkpoint.elapsed() >= CHECKPOINT_EVERY {
-                last_checkpoint = Instant::now();
-                self.checkpoint(&mut last_total);
             }
         }
     }
@@ -1023,6 +1027,45 @@ mod tests {
             latency: vec![0; LATENCY_BUCKETS],
             latency_us: 0,
         }
+    }
+
+    #[test]
+    fn a_start_recovers_what_the_counts_file_holds_that_the_spool_did_not_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let (w0, w1) = (179_608_320, 179_608_321);
+        {
+            // A run that began at spool number 1, spooled window w0 (its slots not yet
+            // given back at the kill) and counted w1, open.
+            let (mut spool, _) = Spool::open(dir.path(), "n", SpoolLimits::default()).unwrap();
+            let w = Window::new("n".into(), 1, w0 * WINDOW_S, false, vec![row("k", "t/r", [0, 2, 0, 0, 0])]);
+            let file = durable::Durable::in_dir(dir.path());
+            let mut shards = file.create(spool.next_seq()).unwrap();
+            spool.append(|_| serde_json::to_vec(&w).unwrap()).unwrap();
+            let s = &mut shards[3];
+            let a = s.take(w0, CallerKind::Key, b"k", "t/r", "p").unwrap();
+            s.add(a, 1, 0, 10);
+            s.add(a, 1, 0, 10);
+            let b = s.take(w1, CallerKind::Key, b"k", "t/r", "p").unwrap();
+            for _ in 0..5 {
+                s.add(b, 1, 2, 10);
+            }
+        }
+        let settings = Settings { node: "n".into(), dir: dir.path().to_owned(), limits: SpoolLimits::default() };
+        let usage = Usage::start(settings.clone(), None).unwrap();
+        assert_eq!(usage.stats.recovered.load(Ordering::Relaxed), 1);
+        let records = usage.lock_spool().read(1, 10, 1 << 20).unwrap();
+        let windows: Vec<Window> = records.iter().map(|(_, b)| serde_json::from_slice(b).unwrap()).collect();
+        assert_eq!(windows.len(), 2, "w0 once, w1 recovered");
+        assert_eq!(
+            (windows[1].start, windows[1].recovered, windows[1].rows[0].status),
+            (w1 * WINDOW_S, true, [0, 5, 0, 0, 0])
+        );
+        usage.stop();
+        drop(usage);
+        // Recovered once: the file started afresh, and a second start finds nothing.
+        let usage = Usage::start(settings, None).unwrap();
+        assert_eq!(usage.stats.recovered.load(Ordering::Relaxed), 0);
+        usage.stop();
     }
 
     #[test]

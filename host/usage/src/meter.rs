@@ -23,6 +23,8 @@ use bytes::Bytes;
 use hashbrown::{Equivalent, HashMap};
 use postern_model::usage::{CallerKind, LATENCY_BUCKETS, Row, WINDOW_S, latency_bucket};
 
+use crate::durable::Slots;
+
 /// Maps the rows are spread over.
 pub const SHARDS: usize = 64;
 
@@ -59,11 +61,11 @@ pub struct Counts {
 }
 
 impl Counts {
-    fn new(product: Arc<str>) -> Counts {
+    pub(crate) fn new(product: Arc<str>) -> Counts {
         Counts { product, status: [0; 5], latency: [0; LATENCY_BUCKETS], latency_us: 0 }
     }
 
-    fn add(&mut self, o: &Counts) {
+    pub(crate) fn add(&mut self, o: &Counts) {
         for (a, b) in self.status.iter_mut().zip(o.status) {
             *a += b;
         }
@@ -124,7 +126,16 @@ impl Equivalent<RowKey> for KeyRef<'_> {
 /// A cache line of its own per shard, so two workers' locks never share one.
 #[repr(align(128))]
 #[derive(Debug, Default)]
-struct Shard(Mutex<HashMap<RowKey, Counts>>);
+struct Shard(Mutex<ShardRows>);
+
+/// A shard's rows, each with its slot in the counts file (if the meter has one and a
+/// slot was free), and the slots of closed windows not yet in the spool, by window.
+#[derive(Debug, Default)]
+struct ShardRows {
+    rows: HashMap<RowKey, (Counts, Option<u32>)>,
+    slots: Option<Slots>,
+    closing: BTreeMap<u64, Vec<u32>>,
+}
 
 /// One window's rows, merged over shards, in a stable order.
 pub type WindowRows = BTreeMap<(CallerKind, Bytes, Arc<str>), Counts>;
@@ -138,6 +149,8 @@ pub struct Meter {
     /// A fixed pair of clocks: request times are this Unix time plus the monotonic time
     /// since, so a clock stepped back can never move a call into a closed window.
     anchor: (Instant, u64),
+    /// Rows counted in memory only: no slot of the counts file was free (or none is kept).
+    not_durable: AtomicU64,
 }
 
 thread_local! {
@@ -175,6 +188,7 @@ impl Meter {
             shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             open_from: AtomicU64::new(0),
             anchor: (at, unix_us),
+            not_durable: AtomicU64::new(0),
         };
         meter.open_from.store(meter.window_of(at), Ordering::Relaxed);
         meter
@@ -203,17 +217,52 @@ impl Meter {
         // Read under the lock: see the module's note on closing.
         let window = window.max(self.open_from.load(Ordering::Acquire));
         let probe = KeyRef { window, kind, caller, route };
-        let counts = match rows.get_mut(&probe) {
+        let ShardRows { rows, slots, .. } = &mut *rows;
+        let (counts, slot) = match rows.get_mut(&probe) {
             Some(c) => c,
-            None => rows
-                .entry(RowKey { window, kind, caller: caller.clone(), route: route.clone() })
-                .or_insert_with(|| Counts::new(product.clone())),
+            None => {
+                let slot = slots.as_mut().and_then(|s| s.take(window, kind, caller, route, product));
+                if slots.is_some() && slot.is_none() {
+                    self.not_durable.fetch_add(1, Ordering::Relaxed);
+                }
+                rows.entry(RowKey { window, kind, caller: caller.clone(), route: route.clone() })
+                    .or_insert_with(|| (Counts::new(product.clone()), slot))
+            }
         };
         counts.status[class] += 1;
         if let Some(b) = counts.latency.get_mut(bucket) {
             *b += 1;
         }
         counts.latency_us += us;
+        if let (Some(slot), Some(slots)) = (*slot, slots.as_mut()) {
+            slots.add(slot, class, bucket, us);
+        }
+    }
+
+    /// Keeps the open windows' counts in the counts file from now on (one [`Slots`] per
+    /// shard): each row counted after this has a slot, given back once its window is in
+    /// the spool ([`Meter::spooled`]).
+    pub fn keep_in(&self, slots: Vec<Slots>) {
+        for (shard, slots) in self.shards.iter().zip(slots) {
+            shard.0.lock().unwrap_or_else(|p| p.into_inner()).slots = Some(slots);
+        }
+    }
+
+    /// Gives back the slots of the closed window `window`, now in the spool.
+    pub fn spooled(&self, window: u64) {
+        for shard in &self.shards {
+            let mut rows = shard.0.lock().unwrap_or_else(|p| p.into_inner());
+            let ShardRows { slots, closing, .. } = &mut *rows;
+            let (Some(slots), Some(taken)) = (slots.as_mut(), closing.remove(&window)) else { continue };
+            for slot in taken {
+                slots.give_back(slot);
+            }
+        }
+    }
+
+    /// Rows counted in memory only, as no slot of the counts file was free.
+    pub fn not_durable(&self) -> u64 {
+        self.not_durable.load(Ordering::Relaxed)
     }
 
     /// Closes every window before `window`: from now on calls count in `window` or later.
@@ -223,7 +272,11 @@ impl Meter {
         let mut out: BTreeMap<u64, WindowRows> = BTreeMap::new();
         for shard in &self.shards {
             let mut rows = shard.0.lock().unwrap_or_else(|p| p.into_inner());
-            for (k, c) in rows.extract_if(|k, _| k.window < window) {
+            let ShardRows { rows, closing, .. } = &mut *rows;
+            for (k, (c, slot)) in rows.extract_if(|k, _| k.window < window) {
+                if let Some(slot) = slot {
+                    closing.entry(k.window).or_default().push(slot);
+                }
                 merge(out.entry(k.window).or_default(), k, c);
             }
         }
@@ -235,7 +288,7 @@ impl Meter {
         let mut out: BTreeMap<u64, WindowRows> = BTreeMap::new();
         for shard in &self.shards {
             let rows = shard.0.lock().unwrap_or_else(|p| p.into_inner());
-            for (k, c) in rows.iter() {
+            for (k, (c, _)) in rows.rows.iter() {
                 merge(out.entry(k.window).or_default(), k.clone(), c.clone());
             }
         }

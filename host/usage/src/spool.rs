@@ -4,7 +4,7 @@
 //! ```text
 //! <dir>/head.json              {"node", "next", "acked"}: written whole (temp, fsync, rename)
 //! <dir>/seg-<first seq>.log    records [len u32 LE][crc32 u32 LE][window JSON], each fsynced
-//! <dir>/open.json              the open window's checkpoint (see `Usage`)
+//! <dir>/open.counts            the open windows' counts, memory-mapped (see `durable`)
 //! ```
 //!
 //! A record is spooled once its bytes and the file's data are synced. At open every
