@@ -331,6 +331,29 @@ mod tests {
     }
 
     #[test]
+    fn a_problem_reply_is_problem_json_with_the_request_id() {
+        let d = Decision::problem(426, "client_too_old", "upgrade to 2.0", &testing::context());
+        let r = d.reply().unwrap();
+        assert_eq!(r.status, 426);
+        assert_eq!(r.header_str("content-type"), Some("application/problem+json"));
+        assert_eq!(
+            r.body_json(),
+            Some(json!({
+                "type": "https://postern.dev/problems/client_too_old",
+                "title": "Upgrade Required",
+                "status": 426,
+                "code": "client_too_old",
+                "detail": "upgrade to 2.0",
+                "request_id": "test-request",
+            }))
+        );
+        assert_eq!(testing::check(&d), Ok(()));
+        // A 426 may not name the protocol in an `upgrade` header: the gateway owns it.
+        let d = d.header("upgrade", "HTTP/2");
+        assert_eq!(testing::check(&d), Err(testing::Rule::ReservedHeader));
+    }
+
+    #[test]
     fn reply_set_header_replaces() {
         let d = Decision::respond(200)
             .header("x-a", "1")
