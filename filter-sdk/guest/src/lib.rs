@@ -101,7 +101,8 @@
 //! On non-`wasm32` targets the host functions use the thread-local harness in
 //! [`testing`]: set the config, build requests and contexts, call your filter's
 //! functions, and read back the logs and counters. No gateway or Wasm runtime is
-//! involved. To run a filter in the real sandbox, see `docs/filters.md`.
+//! involved. To run a filter in the real sandbox, see `docs/filters.md` (the quick
+//! start) and `docs/filters-reference.md`.
 
 #![deny(missing_docs)]
 // On wasm32 a filter links no `std` unless it asks for it (see [`prelude`]).
