@@ -480,6 +480,12 @@ postern_requests_total{route="echo/echo-v1",status="2xx"} 100
         assert_eq!(h.calls["deadline_exceeded"], 0);
         assert_eq!(h.quarantines, 0);
         assert_eq!(h.fuel.buckets.last(), Some(&(f64::INFINITY, 100.0)));
+        assert_eq!(h.fuel.max, None, "the window's largest call is known only if it is a new largest");
+        let rose = later.replace("filter=\"header-injector\"} 9000", "filter=\"header-injector\"} 12000");
+        let w = window(&costs(&rose, "echo/echo-v1"), &before);
+        assert_eq!(w["header-injector"].fuel.max, Some(12000.0));
+        let text = table("n", "echo/echo-v1", Some(2), &w);
+        assert!(text.starts_with("route echo/echo-v1 on the node at n, over 2 s"), "{text}");
     }
 
     #[test]
