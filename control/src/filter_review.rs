@@ -54,6 +54,8 @@ pub struct Review {
     pub samples: Vec<SampleRun>,
     /// What refuses it: each a sentence.
     pub problems: Vec<String>,
+    /// What a reviewer should know but does not refuse it.
+    pub warnings: Vec<String>,
 }
 
 /// The manifest of a module: `path` itself if it is one (`.yaml`), else the `.yaml`
@@ -103,6 +105,7 @@ pub fn review(manifest_path: &Path, manifest: &FilterManifestDoc) -> anyhow::Res
         limits: manifest.limits,
         samples: Vec::new(),
         problems: Vec::new(),
+        warnings: Vec::new(),
     };
     let over = manifest.limits.over(&Limits::MAXIMA);
     if !over.is_empty() {
@@ -118,7 +121,7 @@ pub fn review(manifest_path: &Path, manifest: &FilterManifestDoc) -> anyhow::Res
     };
     r.imports = m.imports.clone();
     if manifest.samples.is_empty() {
-        r.problems.push("the manifest has no samples: a reviewer needs cases that show what it does".to_owned());
+        r.warnings.push("the manifest has no samples: nothing shows what it does, or what it costs".to_owned());
     }
     let paths = postern_model::path::PathPolicy::default();
     for case in &manifest.samples {
@@ -201,6 +204,9 @@ pub fn summary(r: &Review) -> String {
                 );
             }
         }
+    }
+    for w in &r.warnings {
+        let _ = writeln!(out, "  warning  {w}");
     }
     if r.problems.is_empty() {
         let _ = writeln!(out, "  verdict  ok");
@@ -390,6 +396,7 @@ mod tests {
                 report: serde_json::Value::Null,
             }],
             problems: vec![],
+            warnings: vec![],
         }
     }
 
