@@ -139,9 +139,37 @@ pub fn review(manifest_path: &Path, manifest: &FilterManifestDoc) -> anyhow::Res
         if let Some(why) = &run.mismatch {
             r.problems.push(format!("sample {:?}: {why}", run.name));
         }
+        r.warnings.extend(headroom(&run, &manifest.limits));
         r.samples.push(run);
     }
     Ok(r)
+}
+
+/// What a reviewer should know of a sample's cost: little headroom under the limits, or
+/// calls longer than a worker's slice (which then run on the idle pool, at the lowest
+/// priority, after a first try stopped at the slice).
+fn headroom(s: &SampleRun, limits: &Limits) -> Vec<String> {
+    let mut out = Vec::new();
+    if s.fuel > limits.fuel / 2 {
+        out.push(format!(
+            "sample {:?} burns {} of its {} fuel",
+            s.name,
+            share(s.fuel, limits.fuel),
+            thousands(limits.fuel)
+        ));
+    }
+    if s.memory > limits.memory_bytes / 2 {
+        out.push(format!("sample {:?} uses {} of its memory limit", s.name, share(s.memory, limits.memory_bytes)));
+    }
+    if s.fuel > postern_wasm::runtime::SLICE_FUEL {
+        out.push(format!(
+            "sample {:?} burns more than a worker's slice ({} fuel): such calls run again on the idle pool, at the \
+             lowest priority",
+            s.name,
+            thousands(postern_wasm::runtime::SLICE_FUEL)
+        ));
+    }
+    out
 }
 
 /// `part` as a share of `whole`: `0.2 %`.
@@ -426,6 +454,19 @@ mod tests {
         // A hand-written approval has nothing to compare.
         let lines = diff(&doc.approved[0], &new);
         assert!(lines[1].contains("approved by hand"), "{lines:?}");
+    }
+
+    #[test]
+    fn a_sample_near_its_limits_is_pointed_out() {
+        let limits = Limits { fuel: 10_000_000, memory_bytes: 1 << 20, ..Limits::default() };
+        let mut s = review("sha256:01", 1, 2000).samples.remove(0);
+        assert!(headroom(&s, &limits).is_empty());
+        (s.fuel, s.memory) = (8_000_000, 768 << 10);
+        let w = headroom(&s, &limits);
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(w[0], "sample \"old client\" burns 80.0 % of its 10,000,000 fuel");
+        assert_eq!(w[1], "sample \"old client\" uses 75.0 % of its memory limit");
+        assert!(w[2].contains("more than a worker's slice (7,000,000 fuel)"), "{w:?}");
     }
 
     #[test]

@@ -87,7 +87,8 @@
 //!   [`Context`]) and, on routes that buffer small bodies, the body
 //!   ([`Filter::on_request_body`]).
 //! - Forward the request with edits ([`Decision::forward`]: set, append or remove
-//!   headers, change the path) or answer it itself ([`Decision::respond`]).
+//!   headers, change the path) or answer it itself ([`Decision::respond`], or
+//!   [`Decision::problem`] for the gateway's own `application/problem+json` format).
 //! - Edit the backend's response head ([`Filter::on_response`], [`ResponseEdits`]).
 //! - Call the gateway: [`log`], [`counter_add`], [`now_nanos`] (monotonic, not wall
 //!   time), [`config`] / [`config_json`].

@@ -27,11 +27,11 @@ use postern_model::wasm::Limits;
 /// How much fuel a call may burn on the worker before it is stopped and run again on the
 /// idle pool: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms). Fuel, not wall time, so
 /// a worker preempted mid-call does not send a quick filter to the pool.
-pub(super) const SLICE_FUEL: u64 = 7_000_000;
+pub const SLICE_FUEL: u64 = 7_000_000;
 
 /// How far a call may grow its memory on the worker before it is stopped and run again
 /// on the idle pool: faulting in fresh pages is time that burns no fuel.
-pub(super) const SLICE_MEMORY: usize = 2 << 20;
+pub const SLICE_MEMORY: usize = 2 << 20;
 
 /// Calls waiting for the idle pool at most; beyond, a call is `overloaded`.
 const POOL_QUEUE: usize = 256;

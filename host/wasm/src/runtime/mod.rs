@@ -44,6 +44,7 @@ pub use wit::bindings::postern::filter::host::Level;
 pub use wit::{bindings, owned_bindings, types};
 
 use lanes::{Job, start_pool};
+pub use lanes::{SLICE_FUEL, SLICE_MEMORY};
 
 /// The filter world this gateway runs (`wit/filter.wit`).
 pub const WORLD: &str = "postern:filter@0.3.0";
