@@ -591,6 +591,9 @@ pub(crate) enum FilterCommand {
         /// The crate's folder.
         #[arg(long, default_value = ".")]
         dir: PathBuf,
+        /// The crate's Cargo.toml, instead of its folder.
+        #[arg(long, conflicts_with = "dir")]
+        manifest_path: Option<PathBuf>,
     },
     /// Review a filter module for the platform and record its approval in the review
     /// registry (platform/filters.yaml): the runtime's checks (world, imports), its size,

@@ -161,7 +161,13 @@ fn filter_approve(
 fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
     let (module, config, limits, method, path, headers, body, response_status, response_headers) = match command {
         FilterCommand::New { name, template, dir, sdk } => return filter_new(&name, template, dir, sdk),
-        FilterCommand::Build { dir } => return filter_build(&dir),
+        FilterCommand::Build { dir, manifest_path } => {
+            let dir = match manifest_path {
+                Some(m) => m.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf(),
+                None => dir,
+            };
+            return filter_build(&dir);
+        }
         FilterCommand::Approve { module, team, reviewer, approvals } => {
             return filter_approve(&module, team, &reviewer, approvals);
         }

@@ -67,7 +67,11 @@ fn each_template_makes_a_crate_that_tests_builds_and_passes_its_samples() {
     }
 
     let guard = work.path().join("api-version-guard");
-    let built = run_ok(posternctl(&guard).args(["filter", "build"]).env("CARGO_TARGET_DIR", &target));
+    let built = run_ok(
+        posternctl(work.path())
+            .args(["filter", "build", "--manifest-path", "api-version-guard/Cargo.toml"])
+            .env("CARGO_TARGET_DIR", &target),
+    );
     assert!(built.contains("\"an old client gets 426\": ok: respond 426"), "{built}");
     assert!(built.contains("log info client version 2.0 is below 2.1"), "{built}");
     assert!(built.contains("\"a current client goes on, marked\": ok: continue"), "{built}");
