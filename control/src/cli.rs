@@ -615,8 +615,9 @@ pub(crate) enum FilterCommand {
         #[arg(long)]
         approvals: Option<PathBuf>,
     },
-    /// Run a filter component on one request in the real sandbox and print the decision
-    /// and its cost as JSON (exit 1 if the filter failed).
+    /// Run a filter component on one request in the real sandbox and print, per phase, the
+    /// decision, its cost (fuel, memory high-water mark, time) and what the filter logged
+    /// and counted, as JSON (exit 1 if the filter failed).
     Run {
         /// The component (`.wasm`).
         module: PathBuf,
@@ -647,9 +648,9 @@ pub(crate) enum FilterCommand {
         #[arg(long = "response-header")]
         response_headers: Vec<String>,
     },
-    /// What each Wasm filter on a route costs on a node: calls by outcome, fuel and
-    /// duration percentiles, refused answers by rule, quarantines and reruns, read from
-    /// the node's admin endpoint.
+    /// What each Wasm filter on a route costs on the node `--admin` names: calls by
+    /// outcome, fuel and time percentiles with exact means and maxima, refused answers by
+    /// rule, quarantines and reruns, read from the node's admin endpoint.
     Cost {
         /// The route, `team/name`.
         #[arg(long)]
