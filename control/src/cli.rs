@@ -566,8 +566,58 @@ pub(crate) struct DenyWhich {
 
 #[derive(Subcommand)]
 pub(crate) enum FilterCommand {
-    /// Run a filter component on one request in the real sandbox and print the decision
-    /// and its cost as JSON (exit 1 if the filter failed).
+    /// Make a new filter crate that builds and tests as it is: a typed config checked in
+    /// `init`, unit tests, the stack setting, and a manifest with sample cases.
+    New {
+        /// The filter's name (lowercase letters, digits and '-'): the crate's, the
+        /// manifest's and what routes attach.
+        name: String,
+        /// What it starts as.
+        #[arg(long, value_enum, default_value = "header")]
+        template: posternctl::filter_new::Template,
+        /// Where to make it (default: ./<name>).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The filter SDK (the gateway repository's filter-sdk/guest); default: the one
+        /// of the repository around the current folder, else of the one posternctl was
+        /// built from.
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
+    /// Build a filter crate for wasm32-wasip2 (release, with its .cargo/config.toml), copy
+    /// the component beside its manifest, and review it: digest, size, imports, and its
+    /// sample cases run in the sandbox with their cost (exit 1 if one fails).
+    Build {
+        /// The crate's folder.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The crate's Cargo.toml, instead of its folder.
+        #[arg(long, conflicts_with = "dir")]
+        manifest_path: Option<PathBuf>,
+    },
+    /// Review a filter module for the platform and record its approval in the review
+    /// registry (platform/filters.yaml): the runtime's checks (world, imports), its size,
+    /// and its manifest's samples run in the sandbox with their fuel and memory against
+    /// the manifest's limits, and what changed against the approved version it replaces.
+    /// Nothing is recorded if the review refuses it (exit 1).
+    Approve {
+        /// The module (`.wasm`, with its manifest beside it) or its manifest (`.yaml`),
+        /// e.g. teams/<team>/filters/<name>.wasm in a config repository.
+        module: PathBuf,
+        /// The team that may attach it (default: the team folder it sits in).
+        #[arg(long)]
+        team: Option<String>,
+        /// Who reviewed it.
+        #[arg(long)]
+        reviewer: String,
+        /// The review registry (default: platform/filters.yaml of the config repository
+        /// the module sits in).
+        #[arg(long)]
+        approvals: Option<PathBuf>,
+    },
+    /// Run a filter component on one request in the real sandbox and print, per phase, the
+    /// decision, its cost (fuel, memory high-water mark, time) and what the filter logged
+    /// and counted, as JSON (exit 1 if the filter failed).
     Run {
         /// The component (`.wasm`).
         module: PathBuf,
@@ -598,15 +648,16 @@ pub(crate) enum FilterCommand {
         #[arg(long = "response-header")]
         response_headers: Vec<String>,
     },
-    /// What each Wasm filter on a route costs on a node: calls by outcome, fuel and
-    /// duration percentiles, refused answers by rule, quarantines and reruns, read from
-    /// the node's admin endpoint.
+    /// What each Wasm filter on a route costs on the node `--admin` names: calls by
+    /// outcome, fuel and time percentiles with exact means and maxima, refused answers by
+    /// rule, quarantines and reruns, read from the node's admin endpoint.
     Cost {
         /// The route, `team/name`.
         #[arg(long)]
         route: String,
-        /// The node's admin listener.
-        #[arg(long, default_value = "http://127.0.0.1:9901")]
+        /// The admin listener of the node to read (each node counts its own calls), e.g.
+        /// http://127.0.0.1:9901 for the demo's node-a.
+        #[arg(long)]
         admin: String,
         /// Over this window (read twice, this far apart, e.g. 30s); default: since the
         /// node started.

@@ -547,8 +547,10 @@ pub struct ReviewDoc {
     pub approved: Vec<ApprovedDoc>,
 }
 
-/// One approved module.
-#[derive(Debug, Deserialize)]
+/// One approved module. `posternctl filter approve` also records what it reviewed
+/// (`at`, `size`, `imports`, `fuel`), so the review of the version that replaces it can
+/// say what changed.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApprovedDoc {
     /// `sha256:<hex>` of the component.
@@ -558,8 +560,20 @@ pub struct ApprovedDoc {
     /// Team allowed to attach it.
     pub team: String,
     /// Who reviewed it.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reviewer: Option<String>,
+    /// When it was approved (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    /// The component's size in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// The interfaces it imports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub imports: Vec<String>,
+    /// The most fuel a call of each of its manifest's sample cases burned, by case.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fuel: BTreeMap<String, u64>,
 }
 
 /// `platform/plans.yaml`: the platform's scopes, API products and plans.

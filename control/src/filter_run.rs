@@ -1,7 +1,8 @@
 //! `posternctl filter run`: runs a filter component on one request (and, when given, on
 //! the backend's response to it) in the gateway's real sandbox (same runtime, limits,
 //! outcome classification and output rules as a node) and prints each phase's decision
-//! and its cost, so an author can test a build before shipping it.
+//! and its cost (fuel, memory high-water mark, time), with what the filter logged and
+//! counted, so an author can test a build before shipping it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -96,7 +97,19 @@ fn report<T>(
     };
     v["phase"] = phase.into();
     v["fuel"] = call.fuel.into();
+    v["memory_bytes"] = call.memory.into();
     v["micros"] = u64::try_from(call.took.as_micros()).unwrap_or(u64::MAX).into();
+    v["logs"] = call
+        .logs
+        .iter()
+        .map(|(level, msg)| serde_json::json!({"level": postern_wasm::runtime::level_str(*level), "message": msg}))
+        .collect();
+    let mut counters = serde_json::Map::new();
+    for (name, delta) in &call.counters {
+        let n = counters.get(name).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        counters.insert(name.clone(), n.saturating_add(*delta).into());
+    }
+    v["counters"] = counters.into();
     v
 }
 
@@ -188,6 +201,62 @@ pub fn run_loaded(
     let failed = phases.iter().any(|p| p["decision"] == "failed");
     let pre_initialised = !Arc::ptr_eq(&prepared, m);
     Ok(
-        serde_json::json!({"module": m.digest, "pre_initialised": pre_initialised, "limits": limits, "phases": phases, "ok": !failed}),
+        serde_json::json!({"module": m.digest, "pre_initialised": pre_initialised, "limits": limits, "request_id": request_id, "phases": phases, "ok": !failed}),
     )
+}
+
+/// A manifest's sample case as the request to run.
+pub fn sample_request(case: &crate::config::FilterSampleDoc) -> RunRequest {
+    let r = &case.request;
+    RunRequest {
+        method: r.method.clone(),
+        path: r.path.clone(),
+        headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        body: r.body.as_ref().map(|b| b.clone().into_bytes()),
+        response: case.response.as_ref().map(|resp| RunResponse {
+            status: resp.status,
+            headers: resp.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }),
+    }
+}
+
+/// How a filter's decision (a [`run`] report) differs from what a sample expects, if it
+/// does.
+pub fn sample_mismatch(expect: &crate::config::FilterExpectDoc, report: &serde_json::Value) -> Option<String> {
+    // The last phase that ran decides: the response phase's when the sample gives a
+    // response and the request was forwarded.
+    let got = &report["phases"].as_array().and_then(|p| p.last()).cloned().unwrap_or_default();
+    let decision = got["decision"].as_str().unwrap_or("none");
+    let describe = |v: &serde_json::Value| match v["decision"].as_str() {
+        Some("respond") => format!("respond {}", v["status"]),
+        Some("failed") => match v["rule"].as_str() {
+            Some(rule) => format!("failed (bad_output: the answer breaks the rule {rule})"),
+            None => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
+        },
+        Some(d) => d.to_owned(),
+        None => "nothing".to_owned(),
+    };
+    let wanted = match (expect.decision.as_str(), expect.status) {
+        ("respond", Some(s)) => format!("respond {s}"),
+        (d, _) => d.to_owned(),
+    };
+    let phase = if got["phase"] == "response" { " in the response phase" } else { "" };
+    if decision != expect.decision || (decision == "respond" && expect.status.is_some_and(|s| got["status"] != s)) {
+        return Some(format!("expected {wanted}, got {}{phase}", describe(got)));
+    }
+    for (name, value) in &expect.set_headers {
+        let set = got["set_headers"].as_array().and_then(|h| {
+            h.iter().find(|kv| kv[0].as_str().is_some_and(|k| k.eq_ignore_ascii_case(name))).map(|kv| kv[1].clone())
+        });
+        if set.as_ref().and_then(|v| v.as_str()) != Some(value.as_str()) {
+            let got = set.map_or("not set".to_owned(), |v| format!("set to {v}"));
+            return Some(format!("expected header {name} set to {value:?}, it was {got}{phase}"));
+        }
+    }
+    if let Some(p) = &expect.path
+        && got["path"].as_str() != Some(p.as_str())
+    {
+        return Some(format!("expected path {p:?}, got {}", got["path"]));
+    }
+    None
 }

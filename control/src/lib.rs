@@ -33,6 +33,8 @@ pub mod config;
 pub mod credentials;
 pub mod engines;
 pub mod filter_cost;
+pub mod filter_new;
+pub mod filter_review;
 pub mod filter_run;
 pub mod keys;
 pub mod keyservice;

@@ -83,15 +83,94 @@ fn filter_cost(route: &str, admin: &str, window: Option<std::time::Duration>, as
     };
     let window_s = window.map(|w| w.as_secs());
     if as_json {
-        outln!("{}", serde_json::to_string_pretty(&filter_cost::json(route, window_s, &costs))?);
+        outln!("{}", serde_json::to_string_pretty(&filter_cost::json(admin, route, window_s, &costs))?);
     } else {
-        outln!("{}", filter_cost::table(route, window_s, &costs).trim_end());
+        outln!("{}", filter_cost::table(admin, route, window_s, &costs).trim_end());
     }
+    Ok(true)
+}
+
+fn filter_new(
+    name: &str,
+    template: posternctl::filter_new::Template,
+    dir: Option<PathBuf>,
+    sdk: Option<PathBuf>,
+) -> anyhow::Result<bool> {
+    let cwd = std::env::current_dir()?;
+    let sdk = posternctl::filter_new::find_sdk(sdk.as_deref(), &cwd)?;
+    let dir = dir.unwrap_or_else(|| PathBuf::from(name));
+    let files = posternctl::filter_new::create(name, template, &dir, &sdk)?;
+    outln!("created filter {name} in {} (SDK: {})", dir.display(), sdk.display());
+    for f in files {
+        outln!("  {}", f.display());
+    }
+    outln!("next: cd {} && cargo test && posternctl filter build", dir.display());
+    Ok(true)
+}
+
+fn filter_build(dir: &Path) -> anyhow::Result<bool> {
+    use posternctl::filter_review;
+    let (manifest_path, manifest) = filter_review::build(dir)?;
+    let review = filter_review::review(&manifest_path, &manifest)?;
+    outln!("{}", filter_review::summary(&review).trim_end());
+    Ok(review.problems.is_empty())
+}
+
+fn filter_approve(
+    module: &Path,
+    team: Option<String>,
+    reviewer: &str,
+    approvals: Option<PathBuf>,
+) -> anyhow::Result<bool> {
+    use posternctl::filter_review;
+    let (manifest_path, manifest) = filter_review::manifest_of(module)?;
+    let placed = filter_review::repo_and_team(&manifest_path);
+    let team = match (team, &placed) {
+        (Some(t), Some((_, placed_team))) if &t != placed_team => {
+            anyhow::bail!("--team {t}, but the module sits in teams/{placed_team}/filters/")
+        }
+        (Some(t), _) => t,
+        (None, Some((_, t))) => t.clone(),
+        (None, None) => anyhow::bail!("--team: the module is not in teams/<team>/filters/ of a config repository"),
+    };
+    let approvals = match (approvals, placed) {
+        (Some(file), _) => file,
+        (None, Some((repo, _))) => repo.join("platform/filters.yaml"),
+        (None, None) => anyhow::bail!("--approvals: the module is not in a config repository's teams/<team>/filters/"),
+    };
+    let review = filter_review::review(&manifest_path, &manifest)?;
+    outln!("{}", filter_review::summary(&review).trim_end());
+    if !review.problems.is_empty() {
+        outln!("not approved: nothing written to {}", approvals.display());
+        return Ok(false);
+    }
+    let at = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let replaced = filter_review::approve(&approvals, &review, &team, reviewer, at)?;
+    match replaced {
+        Some(old) => {
+            for line in filter_review::diff(&old, &review) {
+                outln!("  {line}");
+            }
+        }
+        None => outln!("  first approved version of {} for team {team}", review.filter),
+    }
+    outln!("approved {} ({}) for team {team} by {reviewer} in {}", review.filter, review.digest, approvals.display());
     Ok(true)
 }
 
 fn filter_run(command: FilterCommand) -> anyhow::Result<bool> {
     let (module, config, limits, method, path, headers, body, response_status, response_headers) = match command {
+        FilterCommand::New { name, template, dir, sdk } => return filter_new(&name, template, dir, sdk),
+        FilterCommand::Build { dir, manifest_path } => {
+            let dir = match manifest_path {
+                Some(m) => m.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf(),
+                None => dir,
+            };
+            return filter_build(&dir);
+        }
+        FilterCommand::Approve { module, team, reviewer, approvals } => {
+            return filter_approve(&module, team, &reviewer, approvals);
+        }
         FilterCommand::Run {
             module,
             config,

@@ -115,17 +115,7 @@ fn run_samples(
 ) {
     for (i, case) in manifest.samples.iter().enumerate() {
         let field = format!("samples[{i}]");
-        let r = &case.request;
-        let req = crate::filter_run::RunRequest {
-            method: r.method.clone(),
-            path: r.path.clone(),
-            headers: r.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            body: r.body.as_ref().map(|b| b.clone().into_bytes()),
-            response: case.response.as_ref().map(|resp| crate::filter_run::RunResponse {
-                status: resp.status,
-                headers: resp.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            }),
-        };
+        let req = crate::filter_run::sample_request(case);
         let report = match cx.sandbox.run_sample(module, &case.config, manifest.limits, &req, &cx.paths) {
             Ok(r) => r,
             Err(e) => {
@@ -133,48 +123,8 @@ fn run_samples(
                 continue;
             }
         };
-        // The last phase that ran decides: the response phase's when the sample gives a
-        // response and the request was forwarded.
-        let got = report["phases"].as_array().and_then(|p| p.last()).cloned().unwrap_or_default();
-        if let Some(why) = sample_mismatch(&case.expect, &got) {
+        if let Some(why) = crate::filter_run::sample_mismatch(&case.expect, &report) {
             cx.error(manifest_path, field, format!("{:?}: {why}", case.name), Some(team));
         }
     }
-}
-
-/// How a filter's decision differs from what a sample expects, if it does.
-fn sample_mismatch(expect: &crate::config::FilterExpectDoc, got: &serde_json::Value) -> Option<String> {
-    let decision = got["decision"].as_str().unwrap_or("none");
-    let describe = |v: &serde_json::Value| match v["decision"].as_str() {
-        Some("respond") => format!("respond {}", v["status"]),
-        Some("failed") => match v["rule"].as_str() {
-            Some(rule) => format!("failed (bad_output: the answer breaks the rule {rule})"),
-            None => format!("failed ({})", v["outcome"].as_str().unwrap_or("?")),
-        },
-        Some(d) => d.to_owned(),
-        None => "nothing".to_owned(),
-    };
-    let wanted = match (expect.decision.as_str(), expect.status) {
-        ("respond", Some(s)) => format!("respond {s}"),
-        (d, _) => d.to_owned(),
-    };
-    let phase = if got["phase"] == "response" { " in the response phase" } else { "" };
-    if decision != expect.decision || (decision == "respond" && expect.status.is_some_and(|s| got["status"] != s)) {
-        return Some(format!("expected {wanted}, got {}{phase}", describe(got)));
-    }
-    for (name, value) in &expect.set_headers {
-        let set = got["set_headers"].as_array().and_then(|h| {
-            h.iter().find(|kv| kv[0].as_str().is_some_and(|k| k.eq_ignore_ascii_case(name))).map(|kv| kv[1].clone())
-        });
-        if set.as_ref().and_then(|v| v.as_str()) != Some(value.as_str()) {
-            let got = set.map_or("not set".to_owned(), |v| format!("set to {v}"));
-            return Some(format!("expected header {name} set to {value:?}, it was {got}{phase}"));
-        }
-    }
-    if let Some(p) = &expect.path
-        && got["path"].as_str() != Some(p.as_str())
-    {
-        return Some(format!("expected path {p:?}, got {}", got["path"]));
-    }
-    None
 }

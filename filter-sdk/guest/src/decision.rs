@@ -235,6 +235,39 @@ impl Decision {
         self.set_header("content-type", "application/json").body(body)
     }
 
+    /// Answers with an `application/problem+json` body (RFC 9457), the format every
+    /// answer of the gateway itself has: `type`, `title` (the status's reason phrase),
+    /// `status`, your stable `code`, a `detail` for people, and the request's id, so a
+    /// caller (or whoever reads their bug report) can find the request in the logs.
+    ///
+    /// ```
+    /// use postern_filter_sdk::{Decision, testing};
+    ///
+    /// let cx = testing::context();
+    /// let d = Decision::problem(426, "client_too_old", "upgrade to 2.0 or later", &cx);
+    /// let body = d.reply().unwrap().body_json().unwrap();
+    /// assert_eq!(body["code"], "client_too_old");
+    /// assert_eq!(body["request_id"], "test-request");
+    /// assert_eq!(d.reply().unwrap().header_str("content-type"), Some("application/problem+json"));
+    /// ```
+    ///
+    /// Chain [`Decision::header`] to add headers (a `retry-after`, a `www-authenticate`),
+    /// but not `upgrade`, `connection` or any other header the gateway owns: a reply
+    /// carrying one is refused (rule `reserved_header`) and fails the request. A 426
+    /// says what to upgrade to in its `detail`.
+    pub fn problem(status: u16, code: &str, detail: impl Into<String>, cx: &crate::Context) -> Self {
+        let body = serde_json::json!({
+            "type": format!("https://postern.dev/problems/{code}"),
+            "title": reason(status),
+            "status": status,
+            "code": code,
+            "detail": detail.into(),
+            "request_id": cx.request_id,
+        });
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        Self::respond(status).set_header("content-type", "application/problem+json").body(body)
+    }
+
     /// Whether the request is forwarded.
     pub fn is_forward(&self) -> bool {
         matches!(self, Decision::Continue(_))
@@ -328,5 +361,37 @@ impl ResponseEdits {
     /// Whether header `name` is removed (case-insensitive).
     pub fn is_removed(&self, name: &str) -> bool {
         self.remove_headers.iter().any(|n| n.eq_ignore_ascii_case(name))
+    }
+}
+
+/// The reason phrase of `status` (RFC 9110), for a problem's `title`.
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        402 => "Payment Required",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        406 => "Not Acceptable",
+        409 => "Conflict",
+        410 => "Gone",
+        412 => "Precondition Failed",
+        413 => "Content Too Large",
+        415 => "Unsupported Media Type",
+        422 => "Unprocessable Content",
+        426 => "Upgrade Required",
+        428 => "Precondition Required",
+        429 => "Too Many Requests",
+        451 => "Unavailable For Legal Reasons",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        400..=499 => "Client Error",
+        500..=599 => "Server Error",
+        _ => "Answer",
     }
 }

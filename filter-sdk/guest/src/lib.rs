@@ -87,7 +87,8 @@
 //!   [`Context`]) and, on routes that buffer small bodies, the body
 //!   ([`Filter::on_request_body`]).
 //! - Forward the request with edits ([`Decision::forward`]: set, append or remove
-//!   headers, change the path) or answer it itself ([`Decision::respond`]).
+//!   headers, change the path) or answer it itself ([`Decision::respond`], or
+//!   [`Decision::problem`] for the gateway's own `application/problem+json` format).
 //! - Edit the backend's response head ([`Filter::on_response`], [`ResponseEdits`]).
 //! - Call the gateway: [`log`], [`counter_add`], [`now_nanos`] (monotonic, not wall
 //!   time), [`config`] / [`config_json`].
@@ -101,7 +102,8 @@
 //! On non-`wasm32` targets the host functions use the thread-local harness in
 //! [`testing`]: set the config, build requests and contexts, call your filter's
 //! functions, and read back the logs and counters. No gateway or Wasm runtime is
-//! involved. To run a filter in the real sandbox, see `docs/filters.md`.
+//! involved. To run a filter in the real sandbox, see `docs/filters.md` (the quick
+//! start) and `docs/filters-reference.md`.
 
 #![deny(missing_docs)]
 // On wasm32 a filter links no `std` unless it asks for it (see [`prelude`]).
@@ -328,6 +330,29 @@ mod tests {
         assert_eq!(r.header_str("www-authenticate"), Some("Signature"));
         assert_eq!(r.body, br#"{"code":"invalid_signature"}"#);
         assert!(!d.is_forward());
+    }
+
+    #[test]
+    fn a_problem_reply_is_problem_json_with_the_request_id() {
+        let d = Decision::problem(426, "client_too_old", "upgrade to 2.0", &testing::context());
+        let r = d.reply().unwrap();
+        assert_eq!(r.status, 426);
+        assert_eq!(r.header_str("content-type"), Some("application/problem+json"));
+        assert_eq!(
+            r.body_json(),
+            Some(json!({
+                "type": "https://postern.dev/problems/client_too_old",
+                "title": "Upgrade Required",
+                "status": 426,
+                "code": "client_too_old",
+                "detail": "upgrade to 2.0",
+                "request_id": "test-request",
+            }))
+        );
+        assert_eq!(testing::check(&d), Ok(()));
+        // A 426 may not name the protocol in an `upgrade` header: the gateway owns it.
+        let d = d.header("upgrade", "HTTP/2");
+        assert_eq!(testing::check(&d), Err(testing::Rule::ReservedHeader));
     }
 
     #[test]

@@ -126,6 +126,12 @@ impl Metrics {
             out.push_str("# TYPE postern_filter_fuel histogram\n");
             out.push_str("# HELP postern_filter_duration_seconds Wasm filter call time, instantiation included.\n");
             out.push_str("# TYPE postern_filter_duration_seconds histogram\n");
+            out.push_str("# HELP postern_filter_fuel_max The most fuel one Wasm filter call used.\n");
+            out.push_str("# TYPE postern_filter_fuel_max gauge\n");
+            out.push_str("# HELP postern_filter_duration_seconds_max The longest Wasm filter call.\n");
+            out.push_str("# TYPE postern_filter_duration_seconds_max gauge\n");
+            out.push_str("# HELP postern_filter_cpu_seconds_max The most CPU time of a timed Wasm filter call.\n");
+            out.push_str("# TYPE postern_filter_cpu_seconds_max gauge\n");
             for ((route, name), stats) in &filters {
                 stats.render(out, &format!("route=\"{}\",filter=\"{}\"", escape(route), escape(name)));
             }

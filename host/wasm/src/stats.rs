@@ -105,22 +105,40 @@ impl Outcome {
     }
 }
 
-const FUEL_BOUNDS: [u64; 8] = [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000, 1_000_000_000, u64::MAX];
+/// 2^(j/8) for j in 0..8, in 1/65,536ths: the steps of an octave of fuel buckets.
+const OCTAVE_STEPS: [u64; 8] = [65_536, 71_468, 77_936, 84_990, 92_682, 101_070, 110_218, 120_194];
+/// The first octave of fuel buckets: 2^10 = 1,024 (nothing runs on less).
+const FUEL_FIRST_OCTAVE: usize = 10;
+/// Fuel bucket bounds: eight to an octave from 1,024 to ~123 M (past the 100 M maximum),
+/// each 2^(1/8) (9.05 %) above the last, so a percentile interpolated within its bucket is
+/// within 9.05 % of the true one; then +Inf.
+const FUEL_BOUNDS: [u64; 17 * 8 + 1] = {
+    let mut b = [u64::MAX; 17 * 8 + 1];
+    let mut i = 0;
+    while i < 17 * 8 {
+        b[i] = (OCTAVE_STEPS[i % 8] << (FUEL_FIRST_OCTAVE + i / 8)) >> 16;
+        i += 1;
+    }
+    b
+};
 const TIME_BOUNDS_US: [u64; 12] = [5, 10, 25, 50, 100, 250, 1_000, 5_000, 25_000, 100_000, 250_000, u64::MAX];
 
 /// Counters of one filter on one route.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FilterStats {
     outcomes: [AtomicU64; Outcome::ALL.len()],
     /// Refused answers by the rule they broke.
     refusals: [AtomicU64; Rule::ALL.len()],
     fuel: [AtomicU64; FUEL_BOUNDS.len()],
     fuel_sum: AtomicU64,
+    fuel_max: AtomicU64,
     time: [AtomicU64; TIME_BOUNDS_US.len()],
     time_sum_us: AtomicU64,
+    time_max_us: AtomicU64,
     /// CPU time of sampled calls (one in 64 on each thread).
     cpu: [AtomicU64; TIME_BOUNDS_US.len()],
     cpu_sum_us: AtomicU64,
+    cpu_max_us: AtomicU64,
     /// Times the filter was quarantined on this route.
     pub quarantines: AtomicU64,
     /// Calls that outran their slice on the worker and ran again on the idle pool.
@@ -130,6 +148,29 @@ pub struct FilterStats {
     #[doc(hidden)]
     pub pool_until_ms: AtomicU64,
     counters: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Default for FilterStats {
+    fn default() -> Self {
+        let zero = |_| AtomicU64::new(0);
+        FilterStats {
+            outcomes: std::array::from_fn(zero),
+            refusals: std::array::from_fn(zero),
+            fuel: std::array::from_fn(zero),
+            fuel_sum: AtomicU64::new(0),
+            fuel_max: AtomicU64::new(0),
+            time: std::array::from_fn(zero),
+            time_sum_us: AtomicU64::new(0),
+            time_max_us: AtomicU64::new(0),
+            cpu: std::array::from_fn(zero),
+            cpu_sum_us: AtomicU64::new(0),
+            cpu_max_us: AtomicU64::new(0),
+            quarantines: AtomicU64::new(0),
+            reruns: AtomicU64::new(0),
+            pool_until_ms: AtomicU64::new(0),
+            counters: Mutex::new(BTreeMap::new()),
+        }
+    }
 }
 
 impl FilterStats {
@@ -158,12 +199,14 @@ impl FilterStats {
             b.fetch_add(1, Ordering::Relaxed);
         }
         self.fuel_sum.fetch_add(fuel, Ordering::Relaxed);
+        self.fuel_max.fetch_max(fuel, Ordering::Relaxed);
         let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
         let i = TIME_BOUNDS_US.partition_point(|&b| b < us);
         if let Some(b) = self.time.get(i) {
             b.fetch_add(1, Ordering::Relaxed);
         }
         self.time_sum_us.fetch_add(us, Ordering::Relaxed);
+        self.time_max_us.fetch_max(us, Ordering::Relaxed);
     }
 
     /// Records the CPU time of one sampled call.
@@ -174,6 +217,7 @@ impl FilterStats {
             b.fetch_add(1, Ordering::Relaxed);
         }
         self.cpu_sum_us.fetch_add(us, Ordering::Relaxed);
+        self.cpu_max_us.fetch_max(us, Ordering::Relaxed);
     }
 
     /// Calls that ended with `outcome`.
@@ -219,8 +263,9 @@ impl FilterStats {
         }
         let _ = writeln!(out, "postern_filter_fuel_sum{{{labels}}} {}", self.fuel_sum.load(Ordering::Relaxed));
         let _ = writeln!(out, "postern_filter_fuel_count{{{labels}}} {cum}");
-        seconds(out, "postern_filter_duration_seconds", labels, &self.time, &self.time_sum_us);
-        seconds(out, "postern_filter_cpu_seconds", labels, &self.cpu, &self.cpu_sum_us);
+        let _ = writeln!(out, "postern_filter_fuel_max{{{labels}}} {}", self.fuel_max.load(Ordering::Relaxed));
+        seconds(out, "postern_filter_duration_seconds", labels, &self.time, &self.time_sum_us, &self.time_max_us);
+        seconds(out, "postern_filter_cpu_seconds", labels, &self.cpu, &self.cpu_sum_us, &self.cpu_max_us);
         let _ =
             writeln!(out, "postern_filter_quarantines_total{{{labels}}} {}", self.quarantines.load(Ordering::Relaxed));
         let _ = writeln!(out, "postern_filter_reruns_total{{{labels}}} {}", self.reruns.load(Ordering::Relaxed));
@@ -232,8 +277,9 @@ impl FilterStats {
     }
 }
 
-/// A histogram of microsecond buckets as Prometheus seconds.
-fn seconds(out: &mut String, name: &str, labels: &str, buckets: &[AtomicU64], sum_us: &AtomicU64) {
+/// A histogram of microsecond buckets as Prometheus seconds, and its largest observation
+/// (`<name>_max`, a gauge).
+fn seconds(out: &mut String, name: &str, labels: &str, buckets: &[AtomicU64], sum_us: &AtomicU64, max_us: &AtomicU64) {
     let mut cum = 0;
     for (b, c) in TIME_BOUNDS_US.iter().zip(buckets) {
         cum += c.load(Ordering::Relaxed);
@@ -243,4 +289,37 @@ fn seconds(out: &mut String, name: &str, labels: &str, buckets: &[AtomicU64], su
     let secs = sum_us.load(Ordering::Relaxed) as f64 / 1e6;
     let _ = writeln!(out, "{name}_sum{{{labels}}} {secs}");
     let _ = writeln!(out, "{name}_count{{{labels}}} {cum}");
+    let _ = writeln!(out, "{name}_max{{{labels}}} {}", max_us.load(Ordering::Relaxed) as f64 / 1e6);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuel_buckets_are_each_about_nine_percent_wider_than_the_last() {
+        assert_eq!(FUEL_BOUNDS[0], 1024);
+        assert_eq!(FUEL_BOUNDS[8], 2048);
+        assert_eq!(FUEL_BOUNDS[16 * 8], 1 << 26);
+        assert!(FUEL_BOUNDS[17 * 8 - 1] > 100_000_000, "past the platform maximum");
+        assert_eq!(FUEL_BOUNDS[17 * 8], u64::MAX);
+        for w in FUEL_BOUNDS[..17 * 8].windows(2) {
+            let ratio = w[1] as f64 / w[0] as f64;
+            assert!((1.089..1.092).contains(&ratio), "{w:?}");
+        }
+    }
+
+    #[test]
+    fn the_largest_call_is_kept_exactly() {
+        let s = FilterStats::default();
+        s.record(Outcome::Ok, 22_099, Duration::from_micros(40));
+        s.record(Outcome::Ok, 2_410, Duration::from_micros(12));
+        s.record_cpu(Duration::from_micros(9));
+        let mut out = String::new();
+        s.render(&mut out, "route=\"t/r\",filter=\"f\"");
+        assert!(out.contains("postern_filter_fuel_max{route=\"t/r\",filter=\"f\"} 22099\n"), "{out}");
+        assert!(out.contains("postern_filter_duration_seconds_max{route=\"t/r\",filter=\"f\"} 0.00004\n"), "{out}");
+        assert!(out.contains("postern_filter_cpu_seconds_max{route=\"t/r\",filter=\"f\"} 0.000009\n"), "{out}");
+        assert!(out.contains("postern_filter_fuel_sum{route=\"t/r\",filter=\"f\"} 24509\n"), "{out}");
+    }
 }

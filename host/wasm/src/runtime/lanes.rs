@@ -27,11 +27,11 @@ use postern_model::wasm::Limits;
 /// How much fuel a call may burn on the worker before it is stopped and run again on the
 /// idle pool: ~0.5 ms of guest code here (10 M fuel ≈ 0.65 ms). Fuel, not wall time, so
 /// a worker preempted mid-call does not send a quick filter to the pool.
-pub(super) const SLICE_FUEL: u64 = 7_000_000;
+pub const SLICE_FUEL: u64 = 7_000_000;
 
 /// How far a call may grow its memory on the worker before it is stopped and run again
 /// on the idle pool: faulting in fresh pages is time that burns no fuel.
-pub(super) const SLICE_MEMORY: usize = 2 << 20;
+pub const SLICE_MEMORY: usize = 2 << 20;
 
 /// Calls waiting for the idle pool at most; beyond, a call is `overloaded`.
 const POOL_QUEUE: usize = 256;
@@ -78,6 +78,7 @@ impl Runtime {
         params: P,
         fits: fn(&R, &Limits) -> Result<(), Outcome>,
         start: Instant,
+        request_id: &str,
     ) -> Option<Call<R>>
     where
         P: ComponentNamedList + Lower,
@@ -93,7 +94,7 @@ impl Runtime {
         let out_of_slice = state.out_of_slice || (matches!(result, Err(Outcome::Fuel)) && state.fuel < b.limits.fuel);
         if !out_of_slice {
             let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
-            return Some(finish(self.metering, store, result, start));
+            return Some(finish(self.metering, store, result, start, request_id));
         }
         b.stats.reruns.fetch_add(1, Ordering::Relaxed);
         b.stats.demote();
@@ -112,6 +113,7 @@ impl Runtime {
         params: P,
         fits: fn(&R, &Limits) -> Result<(), Outcome>,
         start: Instant,
+        request_id: String,
     ) -> impl Future<Output = Call<R>> + Send + 'static
     where
         P: ComponentNamedList + Lower + Send + 'static,
@@ -125,7 +127,7 @@ impl Runtime {
                 return; // the request is gone
             }
             if backstop.is_some_and(|t| Instant::now() >= t) {
-                let _ = tx.send(Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() });
+                let _ = tx.send(Call::unrun(Outcome::Overloaded, start.elapsed()));
                 return;
             }
             let (store, result) = call_in_fresh_instance(
@@ -137,12 +139,12 @@ impl Runtime {
                 start,
             );
             let result = result.and_then(|r| fits(&r, &b.limits).map(|()| r));
-            let _ = tx.send(finish(metering, store, result, start));
+            let _ = tx.send(finish(metering, store, result, start, &request_id));
         });
         let queued = self.pool.try_send(job).is_ok();
         async move {
             if !queued {
-                return Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() };
+                return Call::unrun(Outcome::Overloaded, start.elapsed());
             }
             let answer = match backstop.and_then(|t| t.checked_add(POOL_GRACE)) {
                 Some(t) => tokio::time::timeout_at(t.into(), rx).await.ok(),
@@ -150,7 +152,7 @@ impl Runtime {
             };
             match answer {
                 Some(Ok(call)) => call,
-                _ => Call { result: Err(Outcome::Overloaded), fuel: 0, took: start.elapsed() },
+                _ => Call::unrun(Outcome::Overloaded, start.elapsed()),
             }
         }
     }
@@ -165,7 +167,15 @@ impl Runtime {
         cx: types::Context<'_>,
     ) -> Result<Call<types::Decision>, Instant> {
         let start = Instant::now();
-        let call = self.run_on_worker::<OnRequest<'_>, _>(b, |e| &e.on_request, (req, cx), call_decision_fits, start);
+        let request_id = cx.request_id;
+        let call = self.run_on_worker::<OnRequest<'_>, _>(
+            b,
+            |e| &e.on_request,
+            (req, cx),
+            call_decision_fits,
+            start,
+            request_id,
+        );
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
     }
 
@@ -179,7 +189,9 @@ impl Runtime {
         start: Instant,
     ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
         let params = (owned_request(req), owned_context(cx));
-        let call = self.run_on_pool::<OnRequestOwned, _>(b, |e| &e.on_request, params, call_decision_fits, start);
+        let request_id = cx.request_id.to_owned();
+        let call =
+            self.run_on_pool::<OnRequestOwned, _>(b, |e| &e.on_request, params, call_decision_fits, start, request_id);
         async move { call.await.map(|(d,)| d) }
     }
 
@@ -193,12 +205,14 @@ impl Runtime {
         cx: types::Context<'_>,
     ) -> Result<Call<types::Decision>, Instant> {
         let start = Instant::now();
+        let request_id = cx.request_id;
         let call = self.run_on_worker::<OnRequestBody<'_>, _>(
             b,
             |e| &e.on_request_body,
             (req, body, cx),
             call_decision_fits,
             start,
+            request_id,
         );
         call.map(|c| c.map(|(d,)| d)).ok_or(start)
     }
@@ -214,8 +228,15 @@ impl Runtime {
         start: Instant,
     ) -> impl Future<Output = Call<types::Decision>> + Send + 'static {
         let params = (owned_request(req), body.to_vec(), owned_context(cx));
-        let call =
-            self.run_on_pool::<OnRequestBodyOwned, _>(b, |e| &e.on_request_body, params, call_decision_fits, start);
+        let request_id = cx.request_id.to_owned();
+        let call = self.run_on_pool::<OnRequestBodyOwned, _>(
+            b,
+            |e| &e.on_request_body,
+            params,
+            call_decision_fits,
+            start,
+            request_id,
+        );
         async move { call.await.map(|(d,)| d) }
     }
 
@@ -258,16 +279,31 @@ impl Runtime {
     ) -> Call<types::ResponseEdits> {
         let start = Instant::now();
         let params = (resp.clone(), cx.clone());
-        let call =
-            match self.run_on_worker::<OnResponse<'_>, _>(b, |e| &e.on_response, params, call_response_fits, start) {
-                Some(call) => call,
-                None => {
-                    let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
-                    let params = (head, owned_context(&cx));
-                    self.run_on_pool::<OnResponseOwned, _>(b, |e| &e.on_response, params, call_response_fits, start)
-                        .await
-                }
-            };
+        let worker = self.run_on_worker::<OnResponse<'_>, _>(
+            b,
+            |e| &e.on_response,
+            params,
+            call_response_fits,
+            start,
+            cx.request_id,
+        );
+        let call = match worker {
+            Some(call) => call,
+            None => {
+                let head = owned::types::ResponseHead { status: resp.status, headers: owned_fields(resp.headers) };
+                let params = (head, owned_context(&cx));
+                let request_id = cx.request_id.to_owned();
+                self.run_on_pool::<OnResponseOwned, _>(
+                    b,
+                    |e| &e.on_response,
+                    params,
+                    call_response_fits,
+                    start,
+                    request_id,
+                )
+                .await
+            }
+        };
         call.map(|(r,)| r)
     }
 }
@@ -331,6 +367,7 @@ pub(super) fn new_store(
         memory_slice: if lane == Lane::Worker && metering { SLICE_MEMORY } else { usize::MAX },
         memory_base: 0,
         memory_denied: false,
+        memory_peak: 0,
         out_of_slice: false,
         host_calls: 0,
         host_calls_max: limits.host_calls,
@@ -403,12 +440,14 @@ where
     (store, result)
 }
 
-/// The call is final: its log lines and counters go out, and the store is dropped.
+/// The call is final: its log lines (tagged with the request's id) and counters go out,
+/// and the store is dropped.
 pub(super) fn finish<T>(
     metering: bool,
     mut store: Store<State>,
     result: Result<T, Outcome>,
     start: Instant,
+    request_id: &str,
 ) -> Call<T> {
     let fuel = if metering { store.data().fuel.saturating_sub(store.get_fuel().unwrap_or(0)) } else { 0 };
     let state = store.data();
@@ -417,9 +456,12 @@ pub(super) fn finish<T>(
     {
         state.stats.record_cpu(thread_cpu().saturating_sub(base));
     }
-    store.data_mut().commit();
+    let state = store.data_mut();
+    state.commit(request_id);
+    let (memory, logs, counters) =
+        (state.memory_peak, std::mem::take(&mut state.logs), std::mem::take(&mut state.counters));
     drop(store);
-    Call { result, fuel, took: start.elapsed() }
+    Call { result, fuel, took: start.elapsed(), memory, logs, counters }
 }
 
 /// A call for the idle pool.

@@ -40,9 +40,11 @@ pub mod wasi_stubs;
 mod wit;
 
 pub use state::State;
+pub use wit::bindings::postern::filter::host::Level;
 pub use wit::{bindings, owned_bindings, types};
 
 use lanes::{Job, start_pool};
+pub use lanes::{SLICE_FUEL, SLICE_MEMORY};
 
 /// The filter world this gateway runs (`wit/filter.wit`).
 pub const WORLD: &str = "postern:filter@0.3.0";
@@ -183,6 +185,9 @@ impl Default for RuntimeConfig {
 pub struct Module {
     /// `sha256:<hex>` of the component bytes.
     pub digest: String,
+    /// The interfaces the component imports (`postern:filter/host@0.3.0`, ...), as it
+    /// names them.
+    pub imports: Vec<String>,
     pre: InstancePre<State>,
     exports: Exports,
     /// The component, for pre-initialising it ([`Runtime::prepare`]).
@@ -269,7 +274,8 @@ pub fn digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
-/// What one call produced, with its cost.
+/// What one call produced, with its cost, and what the filter logged and counted (already
+/// emitted and added to its stats; kept here for whoever ran the call to show).
 #[derive(Debug)]
 pub struct Call<T> {
     /// The guest's answer, or why there is none.
@@ -278,11 +284,33 @@ pub struct Call<T> {
     pub fuel: u64,
     /// Wall time, instantiation included.
     pub took: Duration,
+    /// The linear memory's high-water mark, in bytes (0 when the call did not run).
+    pub memory: usize,
+    /// The filter's log lines, in order.
+    pub logs: Vec<(Level, String)>,
+    /// The filter's counter additions, by name.
+    pub counters: Vec<(String, u64)>,
 }
 
 impl<T> Call<T> {
     fn map<U>(self, f: impl FnOnce(T) -> U) -> Call<U> {
-        Call { result: self.result.map(f), fuel: self.fuel, took: self.took }
+        let Call { result, fuel, took, memory, logs, counters } = self;
+        Call { result: result.map(f), fuel, took, memory, logs, counters }
+    }
+
+    /// A call that did not run (the node was too busy): no cost, no records.
+    fn unrun(outcome: Outcome, took: Duration) -> Call<T> {
+        Call { result: Err(outcome), fuel: 0, took, memory: 0, logs: Vec::new(), counters: Vec::new() }
+    }
+}
+
+/// A log line's level as the node's logs name it: `debug`, `info`, `warn` or `error`.
+pub fn level_str(level: Level) -> &'static str {
+    match level {
+        Level::Debug => "debug",
+        Level::Info => "info",
+        Level::Warn => "warn",
+        Level::Error => "error",
     }
 }
 
@@ -306,7 +334,7 @@ impl Runtime {
         // bytes, zeros elsewhere) in place instead of unmapping it, so the next instance
         // starts on resident pages instead of faulting them in again; beyond that it is
         // decommitted. A filter built with the SDK fits in one 64 KiB page when it is
-        // small (docs/filters.md), so this restores 64 KiB. Which of the ways costs least
+        // small (docs/filters-reference.md), so this restores 64 KiB. Which of the ways costs least
         // depends on the host's memory and system calls (`Reset`; BENCHMARKS.md,
         // "Instructions per request beside nginx, and the fresh sandbox's reset").
         let keep = if cfg.reset == Reset::Decommit { 0 } else { 128 << 10 };
@@ -353,7 +381,9 @@ impl Runtime {
             return Ok(m.clone());
         }
         let component = Component::new(&self.engine, bytes).map_err(|e| LoadError::Invalid(format!("{e:#}")))?;
-        check_imports(component.component_type().imports(&self.engine).map(|(name, _)| name))?;
+        let imports: Vec<String> =
+            component.component_type().imports(&self.engine).map(|(name, _)| name.to_owned()).collect();
+        check_imports(imports.iter().map(String::as_str))?;
         let world = |e: wasmtime::Error| LoadError::World(format!("{e:#}"));
         let pre = self.linker.instantiate_pre(&component).map_err(world)?;
         // The typecheck of every export; the calls then take them by index.
@@ -369,6 +399,7 @@ impl Runtime {
         };
         let module = Arc::new(Module {
             digest: d.clone(),
+            imports,
             pre,
             exports,
             bytes: Arc::from(bytes),

@@ -74,7 +74,7 @@ impl Runtime {
         let mut store = self.init_store(b);
         let (_, answer) =
             self.call_init(&mut store, b, &b.module.pre, &b.module.exports.init).map_err(LoadError::Init)?;
-        store.data_mut().commit();
+        store.data().commit("-");
         answer.map_err(LoadError::Config)
     }
 

@@ -23,6 +23,8 @@ pub struct State {
     /// The memory's size at instantiation.
     pub(super) memory_base: usize,
     pub(super) memory_denied: bool,
+    /// The largest size the memory was allowed to grow to (its high-water mark).
+    pub(super) memory_peak: usize,
     /// Stopped at the end of its slice on the worker (not a failure of its own).
     pub(super) out_of_slice: bool,
     pub(super) host_calls: u32,
@@ -66,6 +68,7 @@ impl wasmtime::ResourceLimiter for State {
             self.out_of_slice = true;
             return Err(wasmtime::Error::new(OutOfSlice));
         }
+        self.memory_peak = self.memory_peak.max(desired);
         Ok(true)
     }
 
@@ -101,19 +104,21 @@ pub(super) struct OutOfSlice;
 pub(super) struct HostCallLimit;
 
 impl State {
-    /// Emits the call's log lines and adds its counters: the call is final.
-    pub(super) fn commit(&mut self) {
+    /// Emits the call's log lines, tagged with the filter and the request's id, and adds
+    /// its counters: the call is final. The lines and counters stay in the state for
+    /// whoever reads them next (`posternctl filter run` prints them).
+    pub(super) fn commit(&self, request_id: &str) {
         let tag = &*self.tag;
-        for (level, msg) in self.logs.drain(..) {
+        for (level, msg) in &self.logs {
             match level {
-                Level::Debug => tracing::debug!(filter = tag, "{msg}"),
-                Level::Info => tracing::info!(filter = tag, "{msg}"),
-                Level::Warn => tracing::warn!(filter = tag, "{msg}"),
-                Level::Error => tracing::error!(filter = tag, "{msg}"),
+                Level::Debug => tracing::debug!(filter = tag, request_id, "{msg}"),
+                Level::Info => tracing::info!(filter = tag, request_id, "{msg}"),
+                Level::Warn => tracing::warn!(filter = tag, request_id, "{msg}"),
+                Level::Error => tracing::error!(filter = tag, request_id, "{msg}"),
             }
         }
-        for (name, delta) in self.counters.drain(..) {
-            self.stats.counter_add(&name, delta);
+        for (name, delta) in &self.counters {
+            self.stats.counter_add(name, *delta);
         }
     }
 
