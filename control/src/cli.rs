@@ -117,6 +117,15 @@ pub(crate) enum Command {
         /// POSTERN_QUOTA_WEBHOOK: on the command line it is refused.
         #[arg(long, value_name = "URL", env = "POSTERN_QUOTA_WEBHOOK", hide_env_values = true)]
         quota_webhook: Option<String>,
+        /// The certificates (PEM) an https:// quota webhook is trusted by; there is no
+        /// implicit trust store, so an https:// webhook without them is refused at start.
+        #[arg(long, value_name = "FILE", env = "POSTERN_QUOTA_WEBHOOK_CA", requires = "quota_webhook")]
+        quota_webhook_ca: Option<PathBuf>,
+        /// Sign each quota event with the secret in FILE (`whsec_<base64>`, or its bytes as
+        /// they are), as Standard Webhooks do: headers `webhook-id`, `webhook-timestamp` and
+        /// `webhook-signature: v1,<base64 of HMAC-SHA256 over "id.timestamp.body">`.
+        #[arg(long, value_name = "FILE", env = "POSTERN_QUOTA_WEBHOOK_SECRET_FILE", requires = "quota_webhook")]
+        quota_webhook_secret_file: Option<PathBuf>,
         /// Also consume nodes' usage windows from Kafka (`host:port,...`; nodes started
         /// with the same --usage-kafka write them there), as a consumer group; the topic
         /// is made if it is missing.

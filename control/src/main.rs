@@ -500,6 +500,8 @@ fn main() -> ExitCode {
             publish_dir,
             usage_db,
             quota_webhook,
+            quota_webhook_ca,
+            quota_webhook_secret_file,
             usage_kafka,
             usage_kafka_topic,
             usage_kafka_group,
@@ -556,7 +558,11 @@ fn main() -> ExitCode {
                 tls,
                 publish_dir,
                 usage_db,
-                quota_webhook,
+                quota_webhook: quota_webhook.map(|url| posternctl::serve::QuotaWebhook {
+                    url,
+                    ca: quota_webhook_ca,
+                    secret_file: quota_webhook_secret_file,
+                }),
                 usage_kafka,
                 usage_node_keys,
             };

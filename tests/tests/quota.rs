@@ -28,6 +28,9 @@ fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
 }
 
+/// The quota webhook's signing secret (its file's bytes as they are).
+const WEBHOOK_SECRET: &[u8] = b"a secret of the quota webhook, 41 bytes.";
+
 /// A webhook receiver on an ephemeral port: keeps every body it is posted, and refuses
 /// the first one (the sender must retry).
 struct Webhook {
@@ -50,6 +53,8 @@ async fn webhook() -> Webhook {
                 let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
                     let (g, r) = (g.clone(), r.clone());
                     async move {
+                        let signed = ["webhook-id", "webhook-timestamp", "webhook-signature"]
+                            .map(|h| req.headers().get(h).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned());
                         let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
                         let first = {
                             let mut n = r.lock().unwrap();
@@ -59,7 +64,17 @@ async fn webhook() -> Webhook {
                         let status = if first {
                             StatusCode::SERVICE_UNAVAILABLE
                         } else {
-                            g.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
+                            // Kept with whether its Standard Webhooks signature is right.
+                            let [id, at, sig] = &signed;
+                            let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, WEBHOOK_SECRET);
+                            let mut ctx = aws_lc_rs::hmac::Context::with_key(&key);
+                            ctx.update(format!("{id}.{at}.").as_bytes());
+                            ctx.update(&body);
+                            let good = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, ctx.sign());
+                            let mut event: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                            event["signed"] = (*sig == format!("v1,{good}")).into();
+                            event["webhook_id"] = id.clone().into();
+                            g.lock().unwrap().push(event);
                             StatusCode::NO_CONTENT
                         };
                         let mut resp = http::Response::new(Full::new(Bytes::new()));
@@ -119,7 +134,14 @@ async fn hard_and_overage(pg: Option<PgDb>) {
         Some(db) => db.url.clone(),
         None => work.path().join("store").to_str().unwrap().to_owned(),
     };
-    let cp = serve(repo.path(), &store, &tokens, &["--dwell", "0s", "--quota-webhook", &hook.url]);
+    let secret = work.path().join("webhook.secret");
+    std::fs::write(&secret, WEBHOOK_SECRET).unwrap();
+    let cp = serve(
+        repo.path(),
+        &store,
+        &tokens,
+        &["--dwell", "0s", "--quota-webhook", &hook.url, "--quota-webhook-secret-file", secret.to_str().unwrap()],
+    );
     ctl(&cp, &["publish"]);
     let nodes = [
         start_node(&cp.url, &work.path().join("n0"), "node-0"),
@@ -298,6 +320,10 @@ async fn hard_and_overage(pg: Option<PgDb>) {
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), got.len(), "each event delivered once: {got:#?}");
+    for e in &got {
+        assert_eq!(e["signed"], true, "signed with the webhook's secret: {e}");
+        assert_eq!(e["webhook_id"], e["id"], "{e}");
+    }
     let exhausted = got.iter().find(|e| e["data"]["caller"] == "kc" && e["data"]["percent"] == 100).unwrap();
     assert_eq!(exhausted["type"], "postern.quota.exhausted");
     assert_eq!(exhausted["data"]["mode"], "hard");

@@ -114,6 +114,13 @@ fn a_control_plane_takes_credentialed_urls_from_its_environment_never_its_comman
     let out = refused(serve().args(["--usage-db", &db]));
     says(&out, "--usage-db", "POSTERN_USAGE_DB");
 
+    // An https:// webhook with no certificates to trust it by is refused at start (there
+    // is no implicit trust store), naming the flag and not the URL's credential.
+    let tls_hook = format!("https://127.0.0.1:9/hook?token={SECRET}");
+    let out = refused(serve().env("POSTERN_QUOTA_WEBHOOK", &tls_hook));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--quota-webhook-ca") && !err.contains(SECRET), "{err}");
+
     // From the environment the same webhook is taken: the control plane starts.
     let mut child = serve().env("POSTERN_QUOTA_WEBHOOK", &hook).stdout(Stdio::piped()).spawn().expect("serve");
     let mut line = String::new();

@@ -107,8 +107,8 @@ pub struct ServeSettings {
     /// The usage store nodes' windows are applied to: a SQLite file's path or a
     /// `postgres://` URL (none: the intake answers 503).
     pub usage_db: Option<String>,
-    /// Where quota events (80 % and 100 % of a quota) are posted.
-    pub quota_webhook: Option<String>,
+    /// Where quota events (80 % and 100 % of a quota) are posted, and how.
+    pub quota_webhook: Option<QuotaWebhook>,
     /// The usage stream on Kafka, consumed into the usage store beside the HTTP intake.
     pub usage_kafka: Option<UsageKafka>,
     /// The nodes' usage keys (JSON: node → `ed25519:<hex>` or a list): once given, usage
@@ -119,6 +119,18 @@ pub struct ServeSettings {
 /// Open connections the control plane's HTTP server holds at most (two long polls per
 /// node, plus operators).
 const MAX_CONNECTIONS: usize = 4096;
+
+/// The quota webhook: its URL, the certificates an `https://` one is trusted by, and the
+/// secret its events are signed with.
+#[derive(Debug, Clone)]
+pub struct QuotaWebhook {
+    /// `http://` or `https://`.
+    pub url: String,
+    /// PEM certificates to trust (required for `https://`: there is no implicit store).
+    pub ca: Option<PathBuf>,
+    /// The signing secret's file (`whsec_<base64>` or raw bytes).
+    pub secret_file: Option<PathBuf>,
+}
 
 /// Runs the control plane until the process is stopped.
 pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> {
@@ -149,6 +161,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         None => None,
     };
     let intake = usage.clone().map(crate::usage::Coalescer::start);
+    let webhook = settings.quota_webhook.as_ref().map(quota::Webhook::open).transpose()?.map(Arc::new);
     let server = Arc::new(Server {
         store,
         usage,
@@ -164,7 +177,7 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
         reports: Mutex::new(BTreeMap::new()),
         deltas: Mutex::new(std::collections::VecDeque::new()),
         publish_dir: settings.publish_dir,
-        quota: QuotaService::new(settings.quota_webhook),
+        quota: QuotaService::new(webhook),
         stream: StreamStats::default(),
         usage_keys,
     });
@@ -191,8 +204,8 @@ pub async fn serve(settings: ServeSettings, store: Store) -> anyhow::Result<()> 
     if server.usage.is_some() {
         tokio::spawn(server.clone().flag_loop());
         tokio::spawn(server.clone().reconcile_loop());
-        if let Some(url) = server.quota.webhook.clone() {
-            tokio::spawn(server.clone().webhook_loop(url));
+        if let Some(hook) = server.quota.webhook.clone() {
+            tokio::spawn(server.clone().webhook_loop(hook));
         }
         if let Some(kafka) = settings.usage_kafka {
             let consumer = stream::consumer(&kafka).await?;

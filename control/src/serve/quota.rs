@@ -33,9 +33,80 @@ const WEBHOOK_MAX_BACKOFF_S: u64 = 300;
 
 impl QuotaService {
     /// A service posting events to `webhook`, if given.
-    pub(super) fn new(webhook: Option<String>) -> QuotaService {
+    pub(super) fn new(webhook: Option<Arc<Webhook>>) -> QuotaService {
         QuotaService { webhook, ..QuotaService::default() }
     }
+}
+
+/// The quota webhook as the sender uses it: where, through which client (trusting only
+/// the certificates given), and the secret each event is signed with.
+#[derive(Debug)]
+pub(super) struct Webhook {
+    url: String,
+    client: postern_model::tls::ControlClient,
+    secret: Option<Vec<u8>>,
+}
+
+/// Bytes a webhook secret's file may hold at most.
+const SECRET_FILE_MAX: u64 = 4096;
+/// Bytes a webhook secret has at least.
+const SECRET_MIN: usize = 16;
+
+impl Webhook {
+    /// Checks and opens the webhook's settings: an `http://` or `https://` URL, the
+    /// certificates an `https://` one needs, and the secret's file.
+    pub(super) fn open(w: &super::QuotaWebhook) -> anyhow::Result<Webhook> {
+        let https = w.url.starts_with("https://");
+        // The URL may carry a credential: errors name its scheme, never the URL.
+        anyhow::ensure!(https || w.url.starts_with("http://"), "--quota-webhook: an http:// or https:// URL");
+        anyhow::ensure!(
+            !https || w.ca.is_some(),
+            "--quota-webhook is https:// but no --quota-webhook-ca names the certificates to trust it by \
+             (there is no implicit trust store)"
+        );
+        let client = postern_model::tls::client(w.ca.as_deref())?;
+        let secret = w.secret_file.as_deref().map(read_secret).transpose()?;
+        Ok(Webhook { url: w.url.clone(), client, secret })
+    }
+}
+
+/// A webhook secret from its file: `whsec_<base64>` (Standard Webhooks' form) decoded, or
+/// the file's bytes, trimmed; at least [`SECRET_MIN`] bytes.
+fn read_secret(path: &std::path::Path) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("--quota-webhook-secret-file {}: {e}", path.display()))?;
+    let mut bytes = Vec::new();
+    file.take(SECRET_FILE_MAX + 1).read_to_end(&mut bytes)?;
+    anyhow::ensure!(
+        bytes.len() as u64 <= SECRET_FILE_MAX,
+        "--quota-webhook-secret-file {}: over {SECRET_FILE_MAX} bytes",
+        path.display()
+    );
+    let text = bytes.trim_ascii();
+    let secret = match text.strip_prefix(b"whsec_") {
+        Some(b64) => base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b64).map_err(|e| {
+            anyhow::anyhow!("--quota-webhook-secret-file {}: whsec_ but not base64: {e}", path.display())
+        })?,
+        None => text.to_vec(),
+    };
+    anyhow::ensure!(
+        secret.len() >= SECRET_MIN,
+        "--quota-webhook-secret-file {}: a secret of at least {SECRET_MIN} bytes",
+        path.display()
+    );
+    Ok(secret)
+}
+
+/// The Standard Webhooks signature of `body` sent as event `id` at Unix second `at`:
+/// `v1,` and the base64 of HMAC-SHA256 over `id.at.body`.
+pub(super) fn webhook_signature(secret: &[u8], id: &str, at: u64, body: &[u8]) -> String {
+    let key = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, secret);
+    let mut ctx = aws_lc_rs::hmac::Context::with_key(&key);
+    ctx.update(format!("{id}.{at}.").as_bytes());
+    ctx.update(body);
+    let tag = ctx.sign();
+    format!("v1,{}", base64::Engine::encode(&base64::engine::general_purpose::STANDARD, tag.as_ref()))
 }
 
 impl Server {
@@ -185,15 +256,8 @@ impl Server {
     /// Posts every quota event not yet taken to the webhook, oldest first, each as one
     /// JSON document whose `id` a receiver dedupes on; a failed delivery is tried again
     /// with a backoff doubling to 5 minutes. Never on the intake's path.
-    pub(super) async fn webhook_loop(self: Arc<Self>, url: String) {
+    pub(super) async fn webhook_loop(self: Arc<Self>, hook: Arc<Webhook>) {
         let Some(usage) = self.usage.clone() else { return };
-        let client = match postern_model::tls::client(None) {
-            Ok(c) => c,
-            Err(e) => {
-                say!("quota webhook: {e}");
-                return;
-            }
-        };
         loop {
             tokio::time::sleep(WEBHOOK_PASS).await;
             let now = unix_now();
@@ -205,7 +269,7 @@ impl Server {
                 }
             };
             for event in due {
-                let result = deliver(&client, &url, &event).await;
+                let result = deliver(&hook, &event).await;
                 let ok = result.is_ok();
                 if let Err(e) = &result {
                     say!("quota webhook: event {}: {e}", event.id);
@@ -237,12 +301,20 @@ fn envelope(event: &QuotaEvent) -> serde_json::Value {
     })
 }
 
-async fn deliver(client: &postern_model::tls::ControlClient, url: &str, event: &QuotaEvent) -> Result<(), QuotaError> {
+async fn deliver(hook: &Webhook, event: &QuotaEvent) -> Result<(), QuotaError> {
     let body = Bytes::from(envelope(event).to_string());
-    let req =
-        Request::post(url).header(http::header::CONTENT_TYPE, "application/cloudevents+json").body(Full::new(body))?;
-    let resp =
-        tokio::time::timeout(Duration::from_secs(10), client.request(req)).await.map_err(|_| QuotaError::Timeout)??;
+    let mut req = Request::post(&hook.url).header(http::header::CONTENT_TYPE, "application/cloudevents+json");
+    if let Some(secret) = &hook.secret {
+        let (id, at) = (format!("quota-{}", event.id), unix_now());
+        req = req
+            .header("webhook-signature", webhook_signature(secret, &id, at, &body))
+            .header("webhook-id", id)
+            .header("webhook-timestamp", at.to_string());
+    }
+    let req = req.body(Full::new(body))?;
+    let resp = tokio::time::timeout(Duration::from_secs(10), hook.client.request(req))
+        .await
+        .map_err(|_| QuotaError::Timeout)??;
     let status = resp.status();
     let _ = resp.into_body().collect().await;
     if status.is_success() { Ok(()) } else { Err(QuotaError::Answered(status.as_u16())) }
@@ -292,5 +364,36 @@ async fn blocking<T: Send + 'static>(
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(QuotaError::Usage(e)),
         Err(e) => Err(QuotaError::Worker(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_signed_as_standard_webhooks_sign_them() {
+        // The Standard Webhooks specification's own example.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("secret");
+        std::fs::write(&file, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n").unwrap();
+        let secret = read_secret(&file).unwrap();
+        let sig = webhook_signature(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
+        assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+        // Too short, not base64, or too large a file: refused, naming the file.
+        for bad in ["short", "whsec_%%%", &"x".repeat(5000)] {
+            std::fs::write(&file, bad).unwrap();
+            let e = read_secret(&file).unwrap_err().to_string();
+            assert!(e.contains("--quota-webhook-secret-file"), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_https_webhook_needs_the_certificates_to_trust() {
+        let hook = |url: &str| super::super::QuotaWebhook { url: url.into(), ca: None, secret_file: None };
+        let e = Webhook::open(&hook("https://hooks.example/quota?token=s3cret")).unwrap_err().to_string();
+        assert!(e.contains("--quota-webhook-ca") && !e.contains("s3cret"), "{e}");
+        assert!(Webhook::open(&hook("ftp://x")).is_err());
+        assert!(Webhook::open(&hook("http://127.0.0.1:9/hook")).is_ok());
     }
 }

@@ -145,7 +145,7 @@ pub(super) struct QuotaService {
     /// Woken after every applied batch.
     pub(super) wake: tokio::sync::Notify,
     /// Where quota events are posted.
-    pub(super) webhook: Option<String>,
+    pub(super) webhook: Option<Arc<super::quota::Webhook>>,
 }
 
 /// What the consumer did, for `GET /v1/usage/stream`.
