@@ -204,6 +204,22 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 60)]
         wait: u64,
     },
+    /// Each published route's response timeout beside the p99.9 of its metered answers
+    /// (from the usage store), with advice where the timeout is 10x that or more; a team's
+    /// token sees its own routes.
+    Routes {
+        #[command(flatten)]
+        control: ControlArgs,
+        /// Only the routes with advice.
+        #[arg(long)]
+        advice: bool,
+        /// How far back the answers are looked at: 90s, 30m, 1h, 7d.
+        #[arg(long, default_value = "7d")]
+        last: String,
+        /// The answer as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Which nodes run which version.
     Status {
         #[command(flatten)]

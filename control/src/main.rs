@@ -576,6 +576,7 @@ fn main() -> ExitCode {
             report(call_served(&control, &format!("/v1/rollback?to={to}&wait={wait}")))
         }
         Command::Status { control, wait } => report(status(&control, Duration::from_secs(wait))),
+        Command::Routes { control, advice, last, json } => report(routes(&control, advice, &last, json)),
         Command::Trace { control, which, duration, off, wait_acks } => {
             report(trace(&control, which, if off { Duration::ZERO } else { duration }, wait_acks))
         }
@@ -789,6 +790,37 @@ fn print_answer((status, v): (http::StatusCode, serde_json::Value)) -> anyhow::R
     }
     outln!("{}", serde_json::to_string_pretty(&v)?);
     anyhow::ensure!(status.is_success(), "control plane answered {status}");
+    Ok(())
+}
+
+/// `posternctl routes`: the timeout advice as a table (or JSON), only the routes advised
+/// on with `advice_only`.
+fn routes(control: &ControlArgs, advice_only: bool, last: &str, as_json: bool) -> anyhow::Result<()> {
+    let path = format!("/v1/usage/advice?last={}", posternctl::usage::query_escape(last));
+    let (status, v) = ask(control, "GET", &path)?;
+    if as_json || !status.is_success() {
+        return print_answer((status, v));
+    }
+    let rows: Vec<&serde_json::Value> = v["routes"]
+        .as_array()
+        .map(|r| r.iter().filter(|r| !advice_only || r["advice"].is_string()).collect())
+        .unwrap_or_default();
+    outln!("answers from {} to {}", v["from"].as_str().unwrap_or("?"), v["to"].as_str().unwrap_or("?"));
+    outln!("{:<32} {:>10} {:>10} {:>9}  advice", "route", "timeout", "p99.9", "answers");
+    for r in &rows {
+        let p999 = r["p999_ms"].as_u64().map_or_else(|| "-".to_owned(), |p| format!("<= {p} ms"));
+        outln!(
+            "{:<32} {:>7} ms {:>10} {:>9}  {}",
+            r["route"].as_str().unwrap_or("?"),
+            r["timeout_ms"].as_u64().unwrap_or(0),
+            p999,
+            r["calls"].as_u64().unwrap_or(0),
+            r["advice"].as_str().unwrap_or("-")
+        );
+    }
+    if advice_only && rows.is_empty() {
+        outln!("no route's response timeout is {}x its p99.9 or more", v["ratio"].as_u64().unwrap_or(10));
+    }
     Ok(())
 }
 

@@ -861,3 +861,50 @@ async fn with_node_keys_only_a_nodes_own_signature_speaks_for_it() {
     assert_eq!((count("node-s"), count("node-z")), (Some(4), Some(1)), "{refusals}");
     drop((node, cp));
 }
+
+/// `posternctl routes --advice`: a route whose response timeout is far above what its
+/// answers took is named with the p99.9 it was judged by; a route with no metered answers
+/// gets none; a team's token reads its own routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_far_above_the_observed_latency_is_advised_on() {
+    let Fleet { _pg, _echo, repo: _repo, work: _work, cp } = fleet();
+    ctl(&cp, &["publish"]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    // 300 answers of t/search (5 s response timeout), every one under 1 ms, as a node
+    // reports them.
+    let batch = serde_json::json!({ "windows": [window_json(1, now / 10 * 10 - 20, 299)] }).to_string();
+    let (status, ack) = post_usage(&cp, Some(NODE_TOKEN), batch).await;
+    assert_eq!((status, ack["applied"].as_u64()), (StatusCode::OK, Some(1)), "{ack}");
+
+    let routes = |token: &str, args: &[&str]| {
+        let out = Command::new(bin("posternctl"))
+            .arg("routes")
+            .args(args)
+            .args(["--control", &cp.url, "--token", token])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let answer: serde_json::Value = serde_json::from_str(&routes(PLATFORM_TOKEN, &["--json"])).unwrap();
+    let route = |id: &str| answer["routes"].as_array().unwrap().iter().find(|r| r["route"] == id).cloned().unwrap();
+    let search = route("t/search");
+    assert_eq!(
+        (search["timeout_ms"].as_u64(), search["calls"].as_u64(), search["p999_ms"].as_u64()),
+        (Some(5000), Some(300), Some(1)),
+        "{answer}"
+    );
+    assert!(search["advice"].as_str().unwrap().contains("5000x the p99.9 of 300 answers"), "{search}");
+    let open = route("t/open");
+    assert_eq!((open["calls"].as_u64(), open["advice"].is_null()), (Some(0), true), "{open}");
+    // The table with --advice: the advised route only.
+    let table = routes(PLATFORM_TOKEN, &["--advice"]);
+    assert!(table.contains("t/search") && table.contains("<= 1 ms") && !table.contains("t/open"), "{table}");
+    // Team t reads its routes; a bad range is refused.
+    assert!(routes(TEAM_T_TOKEN, &["--advice"]).contains("t/search"));
+    let out = Command::new(bin("posternctl"))
+        .args(["routes", "--last", "a week", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stdout).contains("last:"), "{out:?}");
+}

@@ -448,6 +448,9 @@ impl Server {
                 self.usage_read(move |u| u.live_flags(now).map(|f| serde_json::json!({ "over_quota": f }))).await
             }
             (Method::GET, ["v1", "usage", "stream"]) if platform => json(StatusCode::OK, &self.stream.to_json()),
+            (Method::GET, ["v1", "usage", "advice"]) if !role.is_node() => {
+                self.timeout_advice(role.team(), call.param("last").as_deref()).await
+            }
             (Method::POST, ["v1", "usage", "flags", "lift"]) if platform => {
                 let caller = match (call.param("key"), call.param("app")) {
                     (Some(k), None) => (k, postern_model::usage::CallerKind::Key),

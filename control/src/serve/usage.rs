@@ -16,6 +16,11 @@ use super::role::Role;
 use super::state::{Body, Server, error, json, read_json};
 use crate::usage::{ApplyError, By, Decision, Query, UsageStore};
 
+/// A response timeout this many times a route's observed p99.9 or more is advised on.
+pub const ADVICE_RATIO: u64 = 10;
+/// Answers a route needs in the range before its p99.9 is worth advice.
+pub const ADVICE_MIN_CALLS: u64 = 100;
+
 /// A usage batch's body at most: nodes send 4 MiB batches, or one window when a window is
 /// larger (a busy node's 10 s of distinct callers × routes).
 const USAGE_BODY_LIMIT: usize = 64 << 20;
@@ -161,6 +166,59 @@ impl Server {
         let ack = intake.apply(windows, postern_model::disk::unix_now(), quotas).await?;
         self.quota.wake.notify_one();
         Ok(ack)
+    }
+
+    /// `GET /v1/usage/advice?last=7d`: each route of the published snapshot (a team's own,
+    /// for a team's token) with its response timeout beside the p99.9 of its metered
+    /// answers over `last`, and advice where the timeout is [`ADVICE_RATIO`] times that or
+    /// more (never an error: a timeout is the team's to choose).
+    pub(super) async fn timeout_advice(&self, team: Option<&str>, last: Option<&str>) -> Response<Body> {
+        let Some(store) = self.usage.clone() else {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "this control plane keeps no usage store (--usage-db)");
+        };
+        let last = match last.map(crate::usage::parse_last).unwrap_or(Ok(7 * 86_400)) {
+            Ok(s) => s,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("last: {e}")),
+        };
+        let now = postern_model::disk::unix_now();
+        let from = now.saturating_sub(last);
+        let head = match self.store.head(crate::store::Lane::Snapshot).await {
+            Ok(Some(v)) => v,
+            Ok(None) => return error(StatusCode::NOT_FOUND, "nothing is published yet"),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let owned = team.map(str::to_owned);
+        let latency = match store.run(move |s| s.route_latency(from, now + 60, owned.as_deref())).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("usage store: {e}")),
+            Err(e) => return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        };
+        let team = team.map(|t| format!("{t}/"));
+        let routes = tokio::task::spawn_blocking(move || {
+            let snapshot = postern_model::SnapshotFile::open(&head.bytes).map(|(_, s)| s).map_err(|e| e.to_string())?;
+            Ok::<_, String>(
+                snapshot
+                    .routes
+                    .iter()
+                    .filter(|r| team.as_ref().is_none_or(|t| r.id.starts_with(t.as_str())))
+                    .map(|r| advice_of(&r.id, r.timeouts.response_ms, latency.iter().find(|l| l.route == r.id)))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .await;
+        match routes {
+            Ok(Ok(routes)) => json(
+                StatusCode::OK,
+                &serde_json::json!({
+                    "from": crate::usage::rfc3339(from),
+                    "to": crate::usage::rfc3339(now),
+                    "ratio": ADVICE_RATIO,
+                    "routes": routes,
+                }),
+            ),
+            Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("the published snapshot: {e}")),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
     }
 
     /// `POST /v1/usage/flags/lift?key=K|app=A[&product=P]`: the platform lifts a caller's
@@ -350,4 +408,25 @@ impl Server {
         })
         .await
     }
+}
+
+/// One route's line of the timeout advice.
+fn advice_of(route: &str, timeout_ms: u64, seen: Option<&crate::usage::RouteLatency>) -> serde_json::Value {
+    let (calls, p999) = seen.map_or((0, None), |l| (l.calls, l.p999_ms));
+    let advice = match p999 {
+        Some(p) if calls >= ADVICE_MIN_CALLS && timeout_ms >= p.saturating_mul(ADVICE_RATIO) => Some(format!(
+            "the response timeout ({timeout_ms} ms) is {}x the p99.9 of {calls} answers (under {p} ms): a stuck \
+             backend holds each caller that long; about {} ms would still pass them all",
+            timeout_ms / p.max(1),
+            p.saturating_mul(4)
+        )),
+        _ => None,
+    };
+    serde_json::json!({
+        "route": route,
+        "timeout_ms": timeout_ms,
+        "calls": calls,
+        "p999_ms": p999,
+        "advice": advice,
+    })
 }

@@ -66,7 +66,7 @@ pub use self::intake::{ApplyError, CLOCK_ALLOWANCE_S, MAX_SEQ_GAP, Refusal};
 pub use self::params::{parse_time, percent_unescape, query_escape, query_unescape, rfc3339};
 pub use self::pg::MINUTE_MONTHS;
 pub use self::queries::{
-    By, LatencySummary, MAX_ROWS, MAX_TEAM_RANGE_S, NodeWindows, Query, StatusClasses, Total, UsageRow,
+    By, LatencySummary, MAX_ROWS, MAX_TEAM_RANGE_S, NodeWindows, Query, RouteLatency, StatusClasses, Total, UsageRow,
 };
 pub use self::quota::{QuotaEvent, Quotas};
 pub use self::reconcile::{CLOSE_GRACE_S, Counted, PeriodNode, Reconciled};

@@ -152,7 +152,51 @@ pub struct NodeWindows {
     pub duplicates: u64,
 }
 
+/// A route's answers over a range, every caller's: how many, and the latency 99.9 % of
+/// them stayed under (the upper bound of the histogram bucket it falls in).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RouteLatency {
+    /// `team/name`.
+    pub route: String,
+    /// Answers counted.
+    pub calls: u64,
+    /// The bucket bound 99.9 % of the answers stayed under; `None` past the last bound.
+    pub p999_ms: Option<u64>,
+}
+
 impl UsageStore {
+    /// Each metered route's answers in [`from`, `to`) (Unix seconds), a team's only when
+    /// `team` is given, with its p99.9 from the per-minute histograms.
+    pub fn route_latency(&self, from: u64, to: u64, team: Option<&str>) -> Result<Vec<RouteLatency>, DbError> {
+        let sums = (0..LATENCY_BUCKETS).map(|i| format!("CAST(SUM(h{i}) AS BIGINT)")).collect::<Vec<_>>().join(", ");
+        let mut params: Vec<Val> = vals![i64_of(from)?, i64_of(to)?].into();
+        let mut filter = String::new();
+        if let Some(team) = team {
+            let prefix = format!("{team}/");
+            let chars = i64::try_from(prefix.chars().count()).unwrap_or(i64::MAX);
+            params.push(prefix.into());
+            params.push(chars.into());
+            filter.push_str(" AND substr(route, 1, ?4) = ?3");
+        }
+        let sql_text = format!(
+            "SELECT route, {sums} FROM minutes WHERE minute >= ?1 AND minute < ?2{filter}
+             GROUP BY route ORDER BY route LIMIT {MAX_ROWS}"
+        );
+        self.read(|sql| {
+            sql.rows(&sql_text, &params)?
+                .iter()
+                .map(|r| {
+                    let mut hist = [0u64; LATENCY_BUCKETS];
+                    for (i, v) in hist.iter_mut().enumerate() {
+                        *v = r.count(1 + i)?;
+                    }
+                    let calls = hist.iter().try_fold(0u64, |a, &n| a.checked_add(n)).ok_or(DbError::Overflow)?;
+                    Ok(RouteLatency { route: r.text(0)?, calls, p999_ms: bound_of(&hist, 0.999) })
+                })
+                .collect()
+        })
+    }
+
     /// Usage rows for `q`, at most [`MAX_ROWS`]. A team's range is at most
     /// [`MAX_TEAM_RANGE_S`] (refused as [`DbError::Other`] otherwise; the API checks it
     /// first).
@@ -306,4 +350,20 @@ pub(crate) fn totals_in(
             })
         })
         .collect()
+}
+
+/// The bound of the histogram bucket holding quantile `q` of `hist` (calls by
+/// [`postern_model::usage::LATENCY_BOUNDS_MS`]); `None` when it is past the last bound or
+/// nothing was counted.
+fn bound_of(hist: &[u64; LATENCY_BUCKETS], q: f64) -> Option<u64> {
+    let total: u64 = hist.iter().sum();
+    let rank = (q * total as f64).ceil().max(1.0) as u64;
+    let mut seen = 0u64;
+    for (i, &n) in hist.iter().enumerate() {
+        seen = seen.saturating_add(n);
+        if total > 0 && seen >= rank {
+            return postern_model::usage::LATENCY_BOUNDS_MS.get(i).map(|&b| u64::from(b));
+        }
+    }
+    None
 }

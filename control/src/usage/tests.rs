@@ -85,6 +85,7 @@ on_both_engines!(
     a_team_reads_at_most_31_days,
     batches_applied_as_a_group_are_answered_each_as_if_alone,
     the_group_commit_answers_every_request_and_adds_each_window_once,
+    a_routes_p999_is_the_bound_of_the_bucket_it_falls_in,
 );
 
 fn row(caller: &str, route: &str, status: [u64; 5], ms: u64) -> Row {
@@ -609,6 +610,31 @@ fn the_group_commit_answers_every_request_and_adds_each_window_once(db: &TestDb)
     // Each node's calls, three windows each: 3 × (1 + 2 + … + 40).
     assert_eq!(store.totals("2026-12", Some("k1")).unwrap()[0].billable, 3 * 820);
     assert_eq!(store.nodes().unwrap().len(), 40);
+}
+
+fn a_routes_p999_is_the_bound_of_the_bucket_it_falls_in(db: &TestDb) {
+    let store = db.open();
+    // 999 answers under 1 ms and 2 in the 50-75 ms bucket: the 1,000th of 1,001 is a slow
+    // one. A bucket is named by its bound: 3 ms is in the one up to 5.
+    let mut slow = row("k2", "t/search", [0, 2, 0, 0, 0], 60);
+    slow.product = "search".into();
+    let w = window(
+        "a",
+        1,
+        DEC,
+        vec![row("k1", "t/search", [0, 999, 0, 0, 0], 1), slow, row("k1", "u/list", [0, 5, 0, 0, 0], 3)],
+    );
+    store.apply(&[w], DEC + 20, &Quotas::default()).unwrap();
+    let all = store.route_latency(DEC, DEC + 60, None).unwrap();
+    assert_eq!(
+        all,
+        vec![
+            RouteLatency { route: "t/search".into(), calls: 1001, p999_ms: Some(75) },
+            RouteLatency { route: "u/list".into(), calls: 5, p999_ms: Some(5) },
+        ]
+    );
+    assert_eq!(store.route_latency(DEC, DEC + 60, Some("u")).unwrap().len(), 1);
+    assert!(store.route_latency(DEC + 60, DEC + 120, None).unwrap().is_empty());
 }
 
 fn a_late_window_of_a_period_already_over_flags_nothing(db: &TestDb) {
