@@ -570,7 +570,11 @@ fn main() -> ExitCode {
         }
         Command::SigningKey { command } => report(signing_key(command)),
         Command::Publish { control, wait_acks, wait } => {
-            report(call_served(&control, &format!("/v1/publish?wait_acks={wait_acks}&wait={wait}")))
+            let published = call_served(&control, &format!("/v1/publish?wait_acks={wait_acks}&wait={wait}"));
+            if published.is_ok() {
+                advise(&control);
+            }
+            report(published)
         }
         Command::Rollback { control, to, wait } => {
             report(call_served(&control, &format!("/v1/rollback?to={to}&wait={wait}")))
@@ -791,6 +795,20 @@ fn print_answer((status, v): (http::StatusCode, serde_json::Value)) -> anyhow::R
     outln!("{}", serde_json::to_string_pretty(&v)?);
     anyhow::ensure!(status.is_success(), "control plane answered {status}");
     Ok(())
+}
+
+/// After a publish: the timeout advice of the last 7 days on stderr, one line a route
+/// advised on (nothing when the control plane keeps no usage store).
+fn advise(control: &ControlArgs) {
+    let Ok((status, v)) = ask(control, "GET", "/v1/usage/advice?last=7d") else { return };
+    if !status.is_success() {
+        return;
+    }
+    for r in v["routes"].as_array().into_iter().flatten() {
+        if let (Some(route), Some(advice)) = (r["route"].as_str(), r["advice"].as_str()) {
+            eprintln!("advice: {route}: {advice}");
+        }
+    }
 }
 
 /// `posternctl routes`: the timeout advice as a table (or JSON), only the routes advised

@@ -900,6 +900,14 @@ async fn a_timeout_far_above_the_observed_latency_is_advised_on() {
     // The table with --advice: the advised route only.
     let table = routes(PLATFORM_TOKEN, &["--advice"]);
     assert!(table.contains("t/search") && table.contains("<= 1 ms") && !table.contains("t/open"), "{table}");
+    // A publish says it too, on stderr (its answer on stdout is unchanged).
+    let out = Command::new(bin("posternctl"))
+        .args(["publish", "--control", &cp.url, "--token", PLATFORM_TOKEN])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("advice: t/search: the response timeout (5000 ms)"), "{err}");
+    assert!(!err.contains("t/open"), "{err}");
     // Team t reads its routes; a bad range is refused.
     assert!(routes(TEAM_T_TOKEN, &["--advice"]).contains("t/search"));
     let out = Command::new(bin("posternctl"))
