@@ -135,7 +135,7 @@ for dir in "$@"; do
     count $tag $p 18290 $path "$hdr" || continue
     line="$bin $path $last"
     if [ ${#meter[@]} -gt 0 ]; then
-      c=$(callgrind_annotate --threshold=100 --inclusive=yes $last_file 2>/dev/null | awk '/postern_usage::meter::Meter::count/ {gsub(",","",$1); print $1; exit}')
+      c=$(callgrind_annotate --threshold=100 --inclusive=yes $last_file 2>/dev/null | awk '/postern_usage::meter::Meter::count/ && !seen {gsub(",","",$1); print $1; seen = 1}')
       line="$line (Meter::count $(( ${c:-0} / N )))"
     fi
     results+=("$line")
@@ -146,6 +146,6 @@ base=$(printf '%s\n' "${results[@]}" | awk '$1 == "nginx" {print $3}')
 echo "instructions per request (N=$N), ratio to nginx's plain proxy:"
 for r in "${results[@]}"; do
   set -- $r
-  printf '%-40s %-14s %9s  %s\n' "$1" "$2" "$3" "$( [ -n "$base" ] && awk -v a=$3 -v b=$base 'BEGIN {printf "%.2f x nginx", a / b}')${4:+ $4 $5 $6}"
+  printf '%-40s %-14s %9s  %s\n' "$1" "$2" "$3" "$( [ -n "$base" ] && awk -v a=$3 -v b=$base 'BEGIN {printf "%.2f x nginx", a / b}')${4:+ $4 ${5:-} ${6:-}}"
 done
 [ -z "${KEEP:-}" ] || echo "callgrind files: $lp"
