@@ -435,6 +435,96 @@ fn token(command: TokenCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `posternctl serve`: its settings checked and gathered, then the control plane run.
+fn serve_command(cmd: Command) -> ExitCode {
+    let Command::Serve {
+        repo,
+        store,
+        tokens,
+        listen,
+        dwell,
+        canary_nodes,
+        rollout_min_requests,
+        rollout_max_5xx_increase,
+        rollout_p99_slack,
+        signing_key,
+        tls_cert,
+        tls_key,
+        publish_dir,
+        usage_db,
+        quota_webhook,
+        quota_webhook_ca,
+        quota_webhook_secret_file,
+        usage_kafka,
+        usage_kafka_topic,
+        usage_kafka_group,
+        usage_kafka_partitions,
+        usage_kafka_replication,
+        usage_kafka_option,
+        usage_kafka_options_file,
+        usage_node_keys,
+    } = cmd
+    else {
+        return ExitCode::FAILURE;
+    };
+    if let Err(e) = secrets_off_the_command_line(&store, usage_db.as_deref(), quota_webhook.as_deref()) {
+        return report(Err(anyhow::anyhow!(e)));
+    }
+    let mut options = match postern_model::usage::kafka_options(&usage_kafka_option) {
+        Ok(o) => o,
+        Err(e) => return report(Err(anyhow::anyhow!(e))),
+    };
+    if let Some(file) = &usage_kafka_options_file {
+        match postern_model::usage::kafka_options_file(file) {
+            Ok(o) => options.extend(o),
+            Err(e) => return report(Err(anyhow::anyhow!(e))),
+        }
+    }
+    let usage_kafka = usage_kafka.map(|brokers| posternctl::serve::UsageKafka {
+        brokers,
+        topic: usage_kafka_topic,
+        group: usage_kafka_group,
+        partitions: usage_kafka_partitions,
+        replication: usage_kafka_replication,
+        options,
+    });
+    let rollout = posternctl::rollout::RolloutSettings {
+        dwell,
+        canary_nodes,
+        min_requests: rollout_min_requests,
+        max_5xx_increase: rollout_max_5xx_increase,
+        p99_slack: rollout_p99_slack,
+        ..Default::default()
+    };
+    let tls = tls_cert.zip(tls_key);
+    // A directory store keeps usage in `usage.db` beside it; a PostgreSQL store in
+    // the same database, unless --usage-db says otherwise.
+    let usage_db = usage_db.or_else(|| {
+        if posternctl::store::is_postgres(&store) {
+            Some(store.clone())
+        } else {
+            Some(Path::new(&store).join("usage.db").display().to_string())
+        }
+    });
+    let settings = posternctl::serve::ServeSettings {
+        repo,
+        listen,
+        tokens,
+        rollout,
+        tls,
+        publish_dir,
+        usage_db,
+        quota_webhook: quota_webhook.map(|url| posternctl::serve::QuotaWebhook {
+            url,
+            ca: quota_webhook_ca,
+            secret_file: quota_webhook_secret_file,
+        }),
+        usage_kafka,
+        usage_node_keys,
+    };
+    report(serve(settings, &store, signing_key.as_deref()))
+}
+
 /// Refuses a URL carrying a credential given on `posternctl serve`'s command line, where
 /// every process of the host can read it: each has an environment variable instead.
 fn secrets_off_the_command_line(
@@ -484,90 +574,7 @@ fn main() -> ExitCode {
         Command::Plan { repo, against } => plan(&repo, &against),
         Command::Key { command } => report(key(command)),
         Command::Token { command } => report(token(command)),
-        Command::Serve {
-            repo,
-            store,
-            tokens,
-            listen,
-            dwell,
-            canary_nodes,
-            rollout_min_requests,
-            rollout_max_5xx_increase,
-            rollout_p99_slack,
-            signing_key,
-            tls_cert,
-            tls_key,
-            publish_dir,
-            usage_db,
-            quota_webhook,
-            quota_webhook_ca,
-            quota_webhook_secret_file,
-            usage_kafka,
-            usage_kafka_topic,
-            usage_kafka_group,
-            usage_kafka_partitions,
-            usage_kafka_replication,
-            usage_kafka_option,
-            usage_kafka_options_file,
-            usage_node_keys,
-        } => {
-            if let Err(e) = secrets_off_the_command_line(&store, usage_db.as_deref(), quota_webhook.as_deref()) {
-                return report(Err(anyhow::anyhow!(e)));
-            }
-            let mut options = match postern_model::usage::kafka_options(&usage_kafka_option) {
-                Ok(o) => o,
-                Err(e) => return report(Err(anyhow::anyhow!(e))),
-            };
-            if let Some(file) = &usage_kafka_options_file {
-                match postern_model::usage::kafka_options_file(file) {
-                    Ok(o) => options.extend(o),
-                    Err(e) => return report(Err(anyhow::anyhow!(e))),
-                }
-            }
-            let usage_kafka = usage_kafka.map(|brokers| posternctl::serve::UsageKafka {
-                brokers,
-                topic: usage_kafka_topic,
-                group: usage_kafka_group,
-                partitions: usage_kafka_partitions,
-                replication: usage_kafka_replication,
-                options,
-            });
-            let rollout = posternctl::rollout::RolloutSettings {
-                dwell,
-                canary_nodes,
-                min_requests: rollout_min_requests,
-                max_5xx_increase: rollout_max_5xx_increase,
-                p99_slack: rollout_p99_slack,
-                ..Default::default()
-            };
-            let tls = tls_cert.zip(tls_key);
-            // A directory store keeps usage in `usage.db` beside it; a PostgreSQL store in
-            // the same database, unless --usage-db says otherwise.
-            let usage_db = usage_db.or_else(|| {
-                if posternctl::store::is_postgres(&store) {
-                    Some(store.clone())
-                } else {
-                    Some(Path::new(&store).join("usage.db").display().to_string())
-                }
-            });
-            let settings = posternctl::serve::ServeSettings {
-                repo,
-                listen,
-                tokens,
-                rollout,
-                tls,
-                publish_dir,
-                usage_db,
-                quota_webhook: quota_webhook.map(|url| posternctl::serve::QuotaWebhook {
-                    url,
-                    ca: quota_webhook_ca,
-                    secret_file: quota_webhook_secret_file,
-                }),
-                usage_kafka,
-                usage_node_keys,
-            };
-            report(serve(settings, &store, signing_key.as_deref()))
-        }
+        cmd @ Command::Serve { .. } => serve_command(cmd),
         Command::SigningKey { command } => report(signing_key(command)),
         Command::Publish { control, wait_acks, wait } => {
             let published = call_served(&control, &format!("/v1/publish?wait_acks={wait_acks}&wait={wait}"));
