@@ -174,8 +174,12 @@ mod tests {
         assert!(manifest.contains("module: api_version_guard.wasm"), "{manifest}");
         let doc: crate::config::FilterManifestDoc = serde_yaml_ng::from_str(&manifest).unwrap();
         assert_eq!(doc.samples.len(), 2);
+        // The SDK's path, absolute or relative to the crate (when both sit under one
+        // folder), leads to the SDK.
         let cargo = std::fs::read_to_string(out.join("Cargo.toml")).unwrap();
-        assert!(cargo.contains(&format!("path = \"{}\"", sdk.display())), "{cargo}");
+        let written = cargo.lines().find_map(|l| l.strip_prefix("postern-filter-sdk = { path = \"")).unwrap();
+        let written = written.split('"').next().unwrap();
+        assert_eq!(out.join(written).canonicalize().unwrap(), sdk.canonicalize().unwrap(), "{cargo}");
         let err = create("api-version-guard", Template::Header, &out, &sdk).unwrap_err();
         assert!(err.to_string().contains("is not empty"), "{err}");
     }
